@@ -1,0 +1,39 @@
+"""One exception family, so callers can catch everything the engine raises on purpose.
+
+Each class also derives from the builtin that describes the mistake (ValueError, TypeError, ...), so
+code written against the builtins keeps working.
+"""
+
+from __future__ import annotations
+
+
+class SafeEngineError(Exception):
+    """Base class of every error raised deliberately by safe_engine."""
+
+
+class ConfigError(SafeEngineError, ValueError):
+    """A generation or ensemble setting has an invalid value (unknown method, draft_length < 1, ...)."""
+
+
+class InputError(SafeEngineError, ValueError):
+    """The prompt or messages cannot be generated from (empty, too long for a member, ...)."""
+
+
+class InputTypeError(SafeEngineError, TypeError):
+    """An argument has the wrong type (a prompt that is not a string, ...)."""
+
+
+class ChatTemplateError(InputError):
+    """A chat request reached a member that has no chat template."""
+
+
+class ModelLoadError(SafeEngineError, OSError):
+    """A model spec could not be resolved or loaded."""
+
+
+class ChecksumError(ModelLoadError):
+    """Downloaded weights do not match their pinned sha256; they are refused."""
+
+
+class MemberError(SafeEngineError, RuntimeError):
+    """A member failed while serving a request (a remote actor died, timed out, ...)."""

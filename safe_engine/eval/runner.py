@@ -1,0 +1,309 @@
+"""Resumable evaluation runner: every (configuration, problem) pair is generated once and saved at once.
+
+Why resumable: a full SAFE comparison is hours of generation (several configurations x thousands of
+problems, outputs of up to 2,048 tokens). The runner appends one JSON line per finished pair and flushes
+it, so an interrupted run (crash, preemption, Ctrl-C) loses at most the pair in flight, and a rerun with
+the same output file skips every pair already recorded.
+
+A *configuration* is any callable ``problem -> dict`` returning at least ``text`` (plus, ideally,
+``tokens``, ``ensembled_tokens``, ``wall_time_s``). :func:`make_ensemble_config` builds one from an
+:class:`~safe_engine.Ensemble` and generation settings; tests and baselines can pass plain functions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from tqdm.auto import tqdm
+
+from safe_engine.eval.extract import Score, score
+from safe_engine.eval.prompts import build_prompt, stop_strings
+from safe_engine.eval.tasks import Problem
+
+__all__ = [
+    "ConfigFn",
+    "completed_keys",
+    "load_records",
+    "make_ensemble_config",
+    "problem_seed",
+    "run_eval",
+]
+
+log = logging.getLogger(__name__)
+
+#: One configuration under evaluation: generates for one problem, returns ``text`` and statistics.
+ConfigFn = Callable[[Problem], Mapping[str, Any]]
+#: Grades a generated text against a problem (default :func:`safe_engine.eval.extract.score`).
+Scorer = Callable[[Problem, str], Score]
+
+_STAT_FIELDS = ("tokens", "ensembled_tokens", "ensemble_rate", "wall_time_s", "tokens_per_s")
+
+
+# --------------------------------------------------------------------------------------------------
+# JSONL storage
+
+
+def load_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of a results JSONL file; a missing file is empty, a torn last line is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                log.warning("%s:%d: unreadable line skipped (interrupted write?)", path, lineno)
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def completed_keys(path: str | os.PathLike[str]) -> set[tuple[str, str]]:
+    """``(config, problem_id)`` pairs already recorded in ``path``."""
+    return {
+        (str(r["config"]), str(r["problem_id"]))
+        for r in load_records(path)
+        if "config" in r and "problem_id" in r
+    }
+
+
+def _open_for_append(path: Path) -> Any:
+    """Open ``path`` for appending, first ending a torn last line so new records start on a fresh line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.stat().st_size > 0:
+        with path.open("rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            torn = fh.read(1) != b"\n"
+        if torn:
+            with path.open("a", encoding="utf-8") as fh:
+                fh.write("\n")
+    return path.open("a", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------------
+# Runner
+
+
+def run_eval(
+    configs: Mapping[str, ConfigFn],
+    problems: Sequence[Problem],
+    out_jsonl: str | os.PathLike[str],
+    *,
+    scorer: Scorer = score,
+    order: Literal["problem", "config"] = "problem",
+    on_error: Literal["raise", "skip"] = "raise",
+    progress: bool = True,
+    fsync: bool = False,
+) -> list[dict[str, Any]]:
+    """Run every configuration on every problem, appending one scored JSON line per pair to ``out_jsonl``.
+
+    Pairs already present in ``out_jsonl`` are skipped (their configuration is not called), so rerunning
+    the same command after an interruption finishes the job.
+
+    Args:
+        configs: name -> callable; the name is stored in each record and keys the resume logic.
+        problems: the problems to run (ids must be unique).
+        out_jsonl: results file, created if missing, only ever appended to.
+        scorer: grades ``text`` for a problem; its ``prediction`` and ``correct`` are stored.
+        order: ``"problem"`` runs all configurations on problem 1, then problem 2, ... (partial results
+            stay comparable across configurations); ``"config"`` finishes one configuration first.
+        on_error: ``"raise"`` stops at the first exception (the records written so far are kept);
+            ``"skip"`` logs it and moves on, writing nothing for that pair so a rerun retries it.
+        progress: show a tqdm progress bar.
+        fsync: also ``os.fsync`` after each record (survives power loss, costs a little time).
+
+    Returns:
+        The records of ``out_jsonl`` that belong to ``configs`` x ``problems`` (old and new), in file order.
+    """
+    ids = [p.id for p in problems]
+    if len(set(ids)) != len(ids):
+        raise ValueError("problem ids must be unique; load each task once per run")
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    path = Path(out_jsonl)
+    done = completed_keys(path)
+    pending = [(name, p) for name, p in _pairs(configs, problems, order) if (name, p.id) not in done]
+    if done:
+        log.info("%s: %d pairs already recorded, %d to run", path, len(done), len(pending))
+
+    correct: dict[str, list[int]] = {name: [0, 0] for name in configs}
+    bar = tqdm(total=len(pending), desc=f"eval {path.stem}", unit="gen", disable=not progress)
+    try:
+        with _open_for_append(path) as fh:
+            for name, problem in pending:
+                bar.set_postfix_str(f"{name} {problem.id}", refresh=False)
+                try:
+                    record = _run_one(name, configs[name], problem, scorer)
+                except Exception:
+                    if on_error == "raise":
+                        raise
+                    log.exception("config %r failed on %s; skipped (rerun to retry)", name, problem.id)
+                    bar.update(1)
+                    continue
+                fh.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+                fh.flush()
+                if fsync:
+                    os.fsync(fh.fileno())
+                correct[name][0] += int(bool(record["correct"]))
+                correct[name][1] += 1
+                bar.update(1)
+                bar.set_postfix_str(_accuracy_postfix(correct), refresh=False)
+    finally:
+        bar.close()
+
+    wanted_ids = set(ids)
+    return [r for r in load_records(path) if r.get("config") in configs and r.get("problem_id") in wanted_ids]
+
+
+def _pairs(
+    configs: Mapping[str, ConfigFn], problems: Sequence[Problem], order: str
+) -> Iterable[tuple[str, Problem]]:
+    if order == "config":
+        return [(name, p) for name in configs for p in problems]
+    if order == "problem":
+        return [(name, p) for p in problems for name in configs]
+    raise ValueError(f"order must be 'problem' or 'config', got {order!r}")
+
+
+def _accuracy_postfix(correct: Mapping[str, list[int]]) -> str:
+    return " ".join(f"{name}={c / n:.1%}" for name, (c, n) in correct.items() if n)
+
+
+def _run_one(name: str, fn: ConfigFn, problem: Problem, scorer: Scorer) -> dict[str, Any]:
+    start = time.perf_counter()
+    out = dict(fn(problem))
+    elapsed = time.perf_counter() - start
+    if "text" not in out:
+        raise KeyError(f"config {name!r} returned no 'text' for {problem.id} (keys: {sorted(out)})")
+    text = str(out["text"] or "")
+    graded = scorer(problem, text)
+    record: dict[str, Any] = {
+        "config": name,
+        "problem_id": problem.id,
+        "task": problem.task,
+        "subtask": problem.subtask,
+        "reference": problem.answer,
+        "prediction": graded.prediction,
+        "correct": bool(graded.correct),
+    }
+    for key in _STAT_FIELDS:
+        record[key] = out.pop(key, None)
+    if record["wall_time_s"] is None:
+        record["wall_time_s"] = elapsed
+    for key, value in out.items():  # text, finish_reason, settings, anything else the config reports
+        record.setdefault(key, value)
+    return record
+
+
+# --------------------------------------------------------------------------------------------------
+# Ensemble configurations
+
+
+class _Generates(Protocol):
+    """What :func:`make_ensemble_config` needs: the contract's ``Ensemble.generate``."""
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def problem_seed(seed: int, problem_id: str) -> int:
+    """A per-problem seed derived from a run seed: sampling stays reproducible whatever the run order.
+
+    A resumed run generates each remaining problem with exactly the seed it would have had originally.
+    """
+    return (seed * 1_000_003 + zlib.crc32(problem_id.encode("utf-8"))) % (2**31 - 1)
+
+
+def make_ensemble_config(
+    ensemble: _Generates,
+    *,
+    method: str = "safe",
+    aggregation: str = "unite",
+    do_sample: bool = False,
+    seed: int | None = None,
+    max_new_tokens: int = 512,
+    chat: bool = True,
+    fewshot: bool | None = None,
+    **generate_kwargs: Any,
+) -> ConfigFn:
+    """A configuration callable that prompts ``ensemble`` for a problem and reports text and statistics.
+
+    Uses the contract API: ``ensemble.generate(messages=..., **kw)`` for chat models (each member applies
+    its own chat template), ``ensemble.generate(prompt_text, **kw)`` with few-shot text and stop strings
+    for base models. The result's ``.text``, ``.finish_reason`` and ``.stats`` (``tokens``,
+    ``ensembled_tokens``, ``ensemble_rate``, ``wall_time_s``, ``tokens_per_s``) are copied into the record.
+
+    Args:
+        method / aggregation / do_sample / max_new_tokens: passed to ``generate`` unchanged.
+        seed: run seed; each problem gets :func:`problem_seed` of it, passed as ``seed=``.
+        chat: chat messages (instruct models) or few-shot text (base models).
+        fewshot: chat only: include the task exemplars as earlier turns (None: task default).
+        generate_kwargs: any other GenerationConfig field (``draft_length``, ``top_k``, ``stop``, ...).
+    """
+    settings: dict[str, Any] = {
+        "method": method,
+        "aggregation": aggregation,
+        "do_sample": do_sample,
+        "max_new_tokens": max_new_tokens,
+        "chat": chat,
+        **generate_kwargs,
+    }
+
+    def run(problem: Problem) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "method": method,
+            "aggregation": aggregation,
+            "do_sample": do_sample,
+            "max_new_tokens": max_new_tokens,
+            **generate_kwargs,
+        }
+        stops = tuple(kwargs.get("stop") or ()) or stop_strings(problem, chat=chat)
+        if stops:
+            kwargs["stop"] = stops
+        if seed is not None:
+            kwargs["seed"] = problem_seed(seed, problem.id)
+        prompt = build_prompt(problem, chat=chat, fewshot=fewshot)
+        start = time.perf_counter()
+        # positional text (the contract does not name the parameter) or messages= for chat
+        args: tuple[Any, ...] = () if chat else (prompt,)
+        call: dict[str, Any] = {"messages": prompt} if chat else {}
+        result = ensemble.generate(*args, **call, **kwargs)
+        elapsed = time.perf_counter() - start
+        stats = getattr(result, "stats", None)
+        record: dict[str, Any] = {
+            "text": _cut_at_stop(str(result.text), stops),
+            "finish_reason": getattr(result, "finish_reason", None),
+            "tokens": getattr(stats, "tokens", None),
+            "ensembled_tokens": getattr(stats, "ensembled_tokens", None),
+            "ensemble_rate": getattr(stats, "ensemble_rate", None),
+            "wall_time_s": getattr(stats, "wall_time_s", None) or elapsed,
+            "tokens_per_s": getattr(stats, "tokens_per_s", None),
+            "seed": kwargs.get("seed"),
+        }
+        record.update({k: v for k, v in settings.items() if k not in record and _jsonable(v)})
+        return record
+
+    run.settings = settings  # type: ignore[attr-defined]
+    run.__name__ = f"ensemble_{method}_{aggregation}"
+    return run
+
+
+def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
+    """Drop anything from the first stop string on (in case the engine returns it or runs past it)."""
+    cut = min((i for s in stops if s and (i := text.find(s)) >= 0), default=-1)
+    return text[:cut] if cut >= 0 else text
+
+
+def _jsonable(value: Any) -> bool:
+    return isinstance(value, str | int | float | bool | type(None) | list | tuple | dict)

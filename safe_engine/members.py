@@ -1,0 +1,180 @@
+"""Members: a causal LM with its own tokenizer, and how to load one from a spec.
+
+A `Member` is shared by every request of an `Ensemble`, so it holds only what never changes: model,
+tokenizer, byte-level vocabulary. Per-request state (token ids, KV cache) lives in `decoding.Track`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from . import demo_models
+from .errors import ConfigError, InputTypeError, ModelLoadError
+from .vocab import Vocab
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a member comes from and how to place it.
+
+    `path` is a hub id, a local directory, a `.gguf` file or a demo model name
+    (see `safe_engine.demo_models`). `chat_template` overrides the tokenizer's template, so base models
+    or models with a broken template can still join a chat ensemble.
+    """
+
+    path: str
+    gguf_file: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    name: str | None = None
+    chat_template: str | None = None
+
+
+class Member:
+    """One model of the ensemble: model + tokenizer + the byte view of its vocabulary."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str | None = None, chat_template: str | None = None):
+        if not callable(getattr(model, "forward", None)) or not hasattr(model, "config"):
+            raise InputTypeError(f"Member expects a transformers causal LM, got {type(model).__name__}")
+        if not callable(tokenizer) or not hasattr(tokenizer, "convert_ids_to_tokens"):
+            raise InputTypeError(f"Member expects a transformers tokenizer, got {type(tokenizer).__name__}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.vocab = Vocab(tokenizer)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        if not self.eos_ids:
+            raise ConfigError(
+                f"member {self.name!r}: its tokenizer has no EOS token, so generation could never end "
+                "naturally; set tokenizer.eos_token (or model.generation_config.eos_token_id)"
+            )
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        # Ids the model can emit but the tokenizer does not define have no text.
+        self.token_bytes = self.vocab.token_bytes + [None] * max(0, self.vocab_size - self.vocab.size)
+        self.context_window = _context_window(model.config)
+        self.device = next(model.parameters()).device
+
+    def __repr__(self) -> str:
+        return f"Member({self.name!r}, vocab={self.vocab_size}, device={self.device})"
+
+    # -- text -> ids --------------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """Ids of a raw prompt: the tokenizer's own special prefix (BOS) + the text, control strings as text."""
+        ids = self.tokenizer(prompt, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        return list(ids)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        """A cache that can be cropped later, sliding-window layers included."""
+        cache = DynamicCache(config=self.model.config)
+        if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
+            cache.activate_past_recording()
+        return cache
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], cache: DynamicCache, keep: int = 1) -> torch.Tensor:
+        """Logits (float32) of the last `keep` of `ids`, appended to what `cache` already holds."""
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep)
+        return out.logits[0].float()
+
+
+def crop_cache(cache: DynamicCache, keep: int) -> None:
+    """Drop cached positions beyond the first `keep` (transformers 5 takes a negative count)."""
+    drop = cache.get_seq_length() - keep
+    if drop > 0:
+        cache.crop(-drop)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _context_window(config: Any) -> int | None:
+    for field in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, field, None) or getattr(getattr(config, "text_config", None), field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+# -- loading --------------------------------------------------------------------------------------
+def resolve_spec(spec: str | ModelSpec) -> ModelSpec:
+    """Accept a plain string or a ModelSpec; reject anything else with a clear message."""
+    if isinstance(spec, ModelSpec):
+        return spec
+    if isinstance(spec, str | os.PathLike):
+        return ModelSpec(path=os.fspath(spec))
+    raise InputTypeError(
+        f"a model spec must be a hub id, directory, .gguf path, demo name or ModelSpec, got {type(spec).__name__}"
+    )
+
+
+def _local_dir(spec: ModelSpec) -> str:
+    """Map a spec to something `from_pretrained` can load: a converted directory or a hub id."""
+    if not spec.path or not spec.path.strip():
+        raise ModelLoadError("empty model spec; pass a hub id, a directory, a .gguf file or a demo model name")
+    if demo_models.is_demo_name(spec.path):
+        return str(demo_models.model_dir(spec.path))
+    path = Path(spec.path).expanduser()
+    if spec.gguf_file is not None:
+        path = path / spec.gguf_file
+    if path.suffix == ".gguf":
+        return str(demo_models.convert_gguf(path))
+    if path.is_dir():
+        return str(path)
+    looks_local = spec.path.startswith((".", "/", "~")) or os.sep in spec.path.strip("/").replace("/", "", 1)
+    if path.exists() or looks_local:
+        raise ModelLoadError(
+            f"model spec {spec.path!r} is not a model directory or .gguf file "
+            f"(demo names: {', '.join(demo_models.DEMO_MODELS)})"
+        )
+    return spec.path  # a hub id such as "Qwen/Qwen2.5-7B-Instruct"
+
+
+def default_dtype(device: str | torch.device | None) -> torch.dtype:
+    """float32 on CPU (bf16 matmuls are slow there), bfloat16 on accelerators."""
+    return torch.float32 if device is None or torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def load_member(
+    spec: str | ModelSpec,
+    *,
+    device: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    trust_remote_code: bool = False,
+) -> Member:
+    """Load one member. Never enables remote code unless the caller asked for it."""
+    spec = resolve_spec(spec)
+    device = spec.device or device or "cpu"
+    dtype = spec.dtype or dtype
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ConfigError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16' or 'float16'")
+        dtype = getattr(torch, dtype)
+    dtype = dtype or default_dtype(device)
+    source = _local_dir(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, device_map=device, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"could not load model {spec.path!r}: {err}") from err
+    return Member(
+        model, tokenizer, name=spec.name or Path(spec.path).name or spec.path, chat_template=spec.chat_template
+    )

@@ -1,0 +1,179 @@
+"""Token ↔ bytes normalisation: the one place where tokenizer quirks are handled.
+
+Alignment and aggregation work on the UTF-8 bytes of the shared text, so every token id needs the exact
+bytes it contributes. Tokenizers spell those bytes differently:
+
+- byte-level BPE (GPT-2, Qwen, SmolLM, Llama-3): each vocab character stands for one byte (`Ġ` = space);
+- SentencePiece (Llama-2, Mistral, Gemma, InternLM): `▁` is a space and `<0xNN>` a raw byte;
+- control tokens (`<|im_end|>`, `<eos>`) contribute no text at all.
+
+`Vocab` turns each of these into plain bytes once per tokenizer, and `encode` produces token ids whose
+bytes concatenate to exactly the encoded text (no SentencePiece dummy prefix), with their byte offsets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from functools import cached_property
+
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from .errors import InputError
+
+_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_SENTINEL = "\n"  # encoded before a text to absorb a SentencePiece dummy prefix, then dropped
+
+
+def _is_byte_level(tokenizer) -> bool:
+    """True when the tokenizer's decoder maps vocab characters to bytes (GPT-2-style BPE)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    return '"ByteLevel"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
+
+
+class Vocab:
+    """Byte spelling of every token id of one tokenizer, plus text ↔ ids with byte offsets."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.size = len(tokenizer)
+        self.special_ids = frozenset(
+            tid for tid, tok in tokenizer.added_tokens_decoder.items() if tok.special
+        ) | frozenset(tokenizer.all_special_ids)
+        pieces = tokenizer.convert_ids_to_tokens(list(range(self.size)))
+        byte_of_char = {c: b for b, c in bytes_to_unicode().items()} if _is_byte_level(tokenizer) else None
+        added = {tid: tok.content for tid, tok in tokenizer.added_tokens_decoder.items()}
+        self.token_bytes: list[bytes | None] = []
+        self._byte_tokens: set[int] = set()  # SentencePiece byte-fallback ids (`<0xNN>`)
+        for tid, piece in enumerate(pieces):
+            if tid in self.special_ids or piece is None:
+                self.token_bytes.append(None)  # control token: no text
+            elif tid in added:
+                self.token_bytes.append(added[tid].encode())
+            elif byte_of_char is not None:
+                self.token_bytes.append(bytes(byte_of_char.get(c, 0) for c in piece))
+            elif m := _BYTE_TOKEN.match(piece):
+                self.token_bytes.append(bytes([int(m.group(1), 16)]))
+                self._byte_tokens.add(tid)
+            else:
+                self.token_bytes.append(piece.replace("▁", " ").encode())
+        self.adds_dummy_prefix = self._bytes_of(self._raw_encode("a")) == b" a"
+        self._sentinel_ids = self._raw_encode(_SENTINEL) if self.adds_dummy_prefix else []
+        self._first_ids: dict[bytes, int | None] = {}
+
+    @cached_property
+    def id_of_bytes(self) -> dict[bytes, int]:
+        """Token id of each byte string that is a single token.
+
+        Where two ids spell the same bytes (SentencePiece `▁` and `<0x20>`), the ordinary piece wins,
+        as it does in the tokenizer's own encoding.
+        """
+        table: dict[bytes, int] = {}
+        for tid, b in enumerate(self.token_bytes):
+            if b and (b not in table or table[b] in self._byte_tokens):
+                table[b] = tid
+        return table
+
+    def first_id(self, data: bytes) -> int | None:
+        """The token this tokenizer would start `data` with (None if it cannot spell it); memoised."""
+        if data not in self._first_ids:
+            if len(self._first_ids) > 200_000:
+                self._first_ids.clear()
+            try:
+                ids, _ = self.encode(data)
+            except InputError:
+                ids = []
+            self._first_ids[data] = ids[0] if ids else None
+        return self._first_ids[data]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Identifies the byte spelling of the whole vocabulary; equal for copies of one tokenizer."""
+        digest = hashlib.sha256()
+        for b in self.token_bytes:
+            digest.update(b"\xff" if b is None else len(b).to_bytes(2, "little") + b)
+        return digest.hexdigest()
+
+    def _raw_encode(self, text: str, control_tokens: bool = False) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=not control_tokens)["input_ids"]
+
+    def _bytes_of(self, ids: list[int]) -> bytes:
+        return b"".join(self.token_bytes[i] or b"" for i in ids)
+
+    def encode_text(self, text: str, control_tokens: bool = False) -> list[int]:
+        """Ids that continue a sequence with exactly `text` (no dummy prefix space).
+
+        Control-token strings such as `<|im_end|>` stay plain text unless `control_tokens` is set
+        (only chat templates set it, for the control tokens they write themselves).
+        """
+        if not text:
+            return []
+        if not self.adds_dummy_prefix:
+            return self._raw_encode(text, control_tokens)
+        n = len(self._sentinel_ids)
+        ids = self._raw_encode(_SENTINEL + text, control_tokens)
+        if ids[:n] == self._sentinel_ids:
+            return ids[n:]
+        ids = self._raw_encode(text, control_tokens)  # sentinel merged with the text: strip the dummy space instead
+        first = self.token_bytes[ids[0]] or b""
+        if first.startswith(b" ") and not text.startswith(" "):
+            rest = first[1:]
+            return ([self.id_of_bytes[rest]] if rest else []) + ids[1:]
+        return ids
+
+    def encode(self, data: bytes) -> tuple[list[int], list[int]]:
+        """Token ids for `data` and the byte offset at which each token starts.
+
+        Valid UTF-8 runs are tokenized as text; bytes that are not valid UTF-8 (a character cut by a
+        byte-level token) become single-byte tokens, which byte-level BPE and SentencePiece byte
+        fallback both have.
+        """
+        ids: list[int] = []
+        for run, is_text in _utf8_runs(data):
+            if is_text:
+                ids.extend(self.encode_text(run.decode()))
+            else:
+                for byte in run:
+                    tid = self.id_of_bytes.get(bytes([byte]))
+                    if tid is None:
+                        raise InputError(
+                            f"tokenizer {type(self.tokenizer).__name__} has no token for byte 0x{byte:02x}; "
+                            "it cannot represent this text"
+                        )
+                    ids.append(tid)
+        if self._bytes_of(ids) != data:
+            raise InputError(
+                f"tokenizer {type(self.tokenizer).__name__} does not reproduce the text byte for byte "
+                f"(it normalises or drops characters of {data[:60]!r}); SAFE needs lossless tokenizers"
+            )
+        return ids, token_starts(self, ids)
+
+
+def token_starts(vocab: Vocab, ids: list[int]) -> list[int]:
+    """Byte offset at which each token starts when the tokens are concatenated."""
+    starts, offset = [], 0
+    for tid in ids:
+        starts.append(offset)
+        offset += len(vocab.token_bytes[tid] or b"")
+    return starts
+
+
+def _utf8_runs(data: bytes) -> list[tuple[bytes, bool]]:
+    """Split bytes into maximal valid-UTF-8 runs (True) and runs of undecodable bytes (False)."""
+    runs: list[tuple[bytes, bool]] = []
+    pos = 0
+    while pos < len(data):
+        try:
+            data[pos:].decode()
+            runs.append((data[pos:], True))
+            break
+        except UnicodeDecodeError as err:
+            if err.start:
+                runs.append((data[pos : pos + err.start], True))
+            bad_end = pos + err.end
+            runs.append((data[pos + err.start : bad_end], False))
+            pos = bad_end
+    return runs
