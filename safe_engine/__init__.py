@@ -1,7 +1,7 @@
 """SAFE: Stable And Fast LLM Ensembling over causal LMs with different tokenizers."""
 
 from .config import GenerationConfig
-from .ensemble import Ensemble, TextStream
+from .ensemble import AsyncTextStream, Ensemble, TextStream
 from .errors import (
     ChatTemplateError,
     ChecksumError,
@@ -16,6 +16,7 @@ from .members import Member, ModelSpec
 from .stats import EnsembleStats, GenerationResult
 
 __all__ = [
+    "AsyncTextStream",
     "ChatTemplateError",
     "ChecksumError",
     "ConfigError",

@@ -77,7 +77,8 @@ class Verification:
         self.at: dict[int, tuple[int, int | None]] = {}
         for k in range(k_first, len(ids) + 1):
             offset = starts[k] if k < len(ids) else len(text)
-            self.at[offset] = (track.prompt_len + k - 1 - first_row, ids[k] if k < len(ids) else None)
+            # setdefault: when tokens share a start (normalised text), the boundary is before the first
+            self.at.setdefault(offset, (track.prompt_len + k - 1 - first_row, ids[k] if k < len(ids) else None))
         self.too_long = member_full(track)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -108,17 +108,15 @@ class Ensemble:
         return TextStream(self._start(prompt, messages, tools, config, options))
 
     async def agenerate(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
-        """`generate` in a worker thread, so the event loop keeps running; cancellation stops decoding."""
-        stream = self.stream(prompt, **kwargs)
-        async for _ in _aiter_stream(stream):
+        """`generate` off the event loop; cancelling the awaiting task stops decoding after the round."""
+        stream = self.astream(prompt, **kwargs)
+        async for _ in stream:
             pass
         return stream.result
 
-    async def astream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[str]:
-        """Async iterator of verified deltas; each round runs in a worker thread."""
-        stream = self.stream(prompt, **kwargs)
-        async for delta in _aiter_stream(stream):
-            yield delta
+    def astream(self, prompt: str | None = None, **kwargs: Any) -> AsyncTextStream:
+        """Async iterator of verified deltas; tokenizing and every round run in a worker thread."""
+        return AsyncTextStream(lambda: self.stream(prompt, **kwargs))
 
     # -- internals --------------------------------------------------------------------------------------
     def _start(self, prompt, messages, tools, config, options) -> Generation:
@@ -194,17 +192,35 @@ class TextStream:
         self.close()
 
 
-async def _aiter_stream(stream: TextStream) -> AsyncIterator[str]:
-    """Drive a TextStream from asyncio: one round per worker-thread hop, cancel-safe."""
-    sentinel = object()
-    try:
-        while True:
-            delta = await asyncio.to_thread(next, stream, sentinel)
-            if delta is sentinel:
-                return
-            yield delta
-    finally:
-        stream.close()
+class AsyncTextStream:
+    """`TextStream` for asyncio: one worker-thread hop per round; `.result` once exhausted."""
+
+    def __init__(self, open_stream: Callable[[], TextStream]) -> None:
+        self._open = open_stream
+        self._stream: TextStream | None = None
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._stream.result if self._stream is not None else None
+
+    def __aiter__(self) -> AsyncTextStream:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            if self._stream is None:
+                self._stream = await asyncio.to_thread(self._open)
+            delta = await asyncio.to_thread(next, self._stream, None)
+        except BaseException:  # cancelled or failed: free the request's caches
+            await self.aclose()
+            raise
+        if delta is None:
+            raise StopAsyncIteration
+        return delta
+
+    async def aclose(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
 
 
 def _weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:

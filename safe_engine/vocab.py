@@ -17,6 +17,7 @@ import hashlib
 import json
 import re
 from functools import cached_property
+from itertools import accumulate
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -129,27 +130,52 @@ class Vocab:
 
         Valid UTF-8 runs are tokenized as text; bytes that are not valid UTF-8 (a character cut by a
         byte-level token) become single-byte tokens, which byte-level BPE and SentencePiece byte
-        fallback both have.
+        fallback both have. A token that does not start on a boundary of the original text (after
+        the tokenizer normalised it, e.g. NFC) repeats the previous token's start.
         """
         ids: list[int] = []
+        starts: list[int] = []
+        offset = 0
         for run, is_text in _utf8_runs(data):
             if is_text:
-                ids.extend(self.encode_text(run.decode()))
+                text = run.decode()
+                run_ids = self.encode_text(text)
+                if self._bytes_of(run_ids) == run:
+                    run_starts = token_starts(self, run_ids)
+                else:  # the tokenizer normalised the text: take offsets from the tokenizer itself
+                    run_ids, run_starts = self._encode_with_offsets(text)
             else:
-                for byte in run:
-                    tid = self.id_of_bytes.get(bytes([byte]))
-                    if tid is None:
-                        raise InputError(
-                            f"tokenizer {type(self.tokenizer).__name__} has no token for byte 0x{byte:02x}; "
-                            "it cannot represent this text"
-                        )
-                    ids.append(tid)
-        if self._bytes_of(ids) != data:
+                run_ids = [self._byte_token(byte) for byte in run]
+                run_starts = list(range(len(run)))
+            ids += run_ids
+            starts += [offset + s for s in run_starts]
+            offset += len(run)
+        return ids, starts
+
+    def _byte_token(self, byte: int) -> int:
+        tid = self.id_of_bytes.get(bytes([byte]))
+        if tid is None:
             raise InputError(
-                f"tokenizer {type(self.tokenizer).__name__} does not reproduce the text byte for byte "
-                f"(it normalises or drops characters of {data[:60]!r}); SAFE needs lossless tokenizers"
+                f"tokenizer {type(self.tokenizer).__name__} has no token for byte 0x{byte:02x}; "
+                "it cannot represent this text"
             )
-        return ids, token_starts(self, ids)
+        return tid
+
+    def _encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """Ids of a text the tokenizer normalises, with byte starts mapped back to the original text."""
+        prefix = _SENTINEL if self.adds_dummy_prefix else ""
+        enc = self.tokenizer(
+            prefix + text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
+        )
+        ids, spans = list(enc["input_ids"]), list(enc["offset_mapping"])
+        skip = len(self._sentinel_ids) if prefix and ids[: len(self._sentinel_ids)] == self._sentinel_ids else 0
+        byte_at = [0, *accumulate(len(c.encode()) for c in text)]  # char index -> byte offset
+        starts: list[int] = []
+        for char_start, _ in spans[skip:]:
+            char_start = min(max(char_start - len(prefix), 0), len(text))
+            start = byte_at[char_start]
+            starts.append(max(start, starts[-1]) if starts else start)
+        return ids[skip:], starts
 
 
 def token_starts(vocab: Vocab, ids: list[int]) -> list[int]:

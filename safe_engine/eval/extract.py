@@ -220,9 +220,7 @@ def extract_math_answer(text: str) -> str | None:
 # MATH500: normalisation
 
 _TEXT_CMDS = r"text|textbf|textit|textrm|textnormal|mbox|mathrm|mathbf|mathit|operatorname|boxed|fbox"
-_UNIT_RE = re.compile(
-    r"^(?P<value>.*[\d}])\s*\\(?:text|mbox|mathrm)\{\s*[a-zA-Z][a-zA-Z\s.]*\}(?:\^\{?\d\}?)?$"
-)
+_UNIT_RE = re.compile(r"^(?P<value>.*[\d}])\s*\\(?:text|mbox|mathrm)\{\s*[a-zA-Z][a-zA-Z\s.]*\}(?:\^\{?\d\}?)?$")
 _PLAIN_UNIT_RE = re.compile(r"^(?P<value>-?[\d.,]+)\s+[a-zA-Z]{2,}(?:\s+[a-zA-Z]+)*\.?$")
 
 
@@ -511,11 +509,7 @@ def _safe_eval(expr: str) -> Fraction | float | None:
 
 
 def _eval_node(node: ast.AST) -> Fraction | float:
-    if (
-        isinstance(node, ast.Constant)
-        and isinstance(node.value, int | float)
-        and not isinstance(node.value, bool)
-    ):
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
         return Fraction(str(node.value)) if isinstance(node.value, float) else Fraction(node.value)
     if isinstance(node, ast.Name) and node.id == "pi":
         return math.pi
@@ -703,9 +697,7 @@ def extract_bbh(text: str, problem: Problem) -> str | None:
         return f"({letter})" if letter else None
     if kind == "bool":
         words = {"true": "true|false", "false": "true|false", "yes": "yes|no", "no": "yes|no"}
-        pattern = re.compile(
-            rf"\b({words.get(problem.answer.strip().lower(), 'invalid|valid')})\b", re.IGNORECASE
-        )
+        pattern = re.compile(rf"\b({words.get(problem.answer.strip().lower(), 'invalid|valid')})\b", re.IGNORECASE)
         if tail is not None and (found := pattern.findall(tail)):
             return found[0]
         found = pattern.findall(clean)

@@ -49,10 +49,8 @@ _BBH_INSTRUCTION = (
 
 _GSM8K_SHOTS: tuple[tuple[str, str], ...] = (
     (
-        "Tom has 3 boxes with 12 pencils in each box. He gives away 10 pencils. How many pencils does he "
-        "have left?",
-        "Tom starts with 3 * 12 = 36 pencils. After giving away 10 he has 36 - 10 = 26 pencils. "
-        "The answer is 26.",
+        "Tom has 3 boxes with 12 pencils in each box. He gives away 10 pencils. How many pencils does he have left?",
+        "Tom starts with 3 * 12 = 36 pencils. After giving away 10 he has 36 - 10 = 26 pencils. The answer is 26.",
     ),
     (
         "A shirt costs $25 and is on sale for 20% off. How much does the shirt cost on sale?",
@@ -63,8 +61,7 @@ _GSM8K_SHOTS: tuple[tuple[str, str], ...] = (
         "She needs 120 / 15 = 8 days. The answer is 8.",
     ),
     (
-        "A baker made 48 cookies and sold them in bags of 6. Each bag sells for $4. How much money did "
-        "the baker make?",
+        "A baker made 48 cookies and sold them in bags of 6. Each bag sells for $4. How much money did the baker make?",
         "There are 48 / 6 = 8 bags. They bring in 8 * 4 = $32. The answer is 32.",
     ),
 )
@@ -165,8 +162,7 @@ def fewshot_prompt(problem: Problem) -> str:
         shots = "".join(f"Problem: {q}\nSolution: {a}\n\n" for q, a in _MATH_SHOTS)
         return f"{shots}Problem: {problem.question.strip()}\nSolution:"
     shots = "".join(
-        f"Question: {_format_mc(q, opts, None)}\nAnswer: Let's think step by step. {a}\n\n"
-        for q, opts, a in _MC_SHOTS
+        f"Question: {_format_mc(q, opts, None)}\nAnswer: Let's think step by step. {a}\n\n" for q, opts, a in _MC_SHOTS
     )
     return f"{shots}Question: {format_question(problem)}\nAnswer: Let's think step by step."
 

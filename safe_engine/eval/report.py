@@ -191,7 +191,5 @@ def write_report(
         try:
             paths["png"] = plot_results(rows, out / "results.png", title)
         except ImportError:
-            log.warning(
-                "matplotlib is not installed; results.png skipped (pip install 'langchain-safe[eval]')"
-            )
+            log.warning("matplotlib is not installed; results.png skipped (pip install 'langchain-safe[eval]')")
     return paths

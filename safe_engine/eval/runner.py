@@ -72,11 +72,7 @@ def load_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def completed_keys(path: str | os.PathLike[str]) -> set[tuple[str, str]]:
     """``(config, problem_id)`` pairs already recorded in ``path``."""
-    return {
-        (str(r["config"]), str(r["problem_id"]))
-        for r in load_records(path)
-        if "config" in r and "problem_id" in r
-    }
+    return {(str(r["config"]), str(r["problem_id"])) for r in load_records(path) if "config" in r and "problem_id" in r}
 
 
 def _open_for_append(path: Path) -> Any:
@@ -167,9 +163,7 @@ def run_eval(
     return [r for r in load_records(path) if r.get("config") in configs and r.get("problem_id") in wanted_ids]
 
 
-def _pairs(
-    configs: Mapping[str, ConfigFn], problems: Sequence[Problem], order: str
-) -> Iterable[tuple[str, Problem]]:
+def _pairs(configs: Mapping[str, ConfigFn], problems: Sequence[Problem], order: str) -> Iterable[tuple[str, Problem]]:
     if order == "config":
         return [(name, p) for name in configs for p in problems]
     if order == "problem":

@@ -136,8 +136,7 @@ def load_task(
     }.get(family, family)
     if family not in TASKS:
         raise _config_error(
-            f"unknown task {name!r}; expected one of {', '.join(TASKS)} "
-            "(bbh and mmlu-redux also accept ':<subtask>')"
+            f"unknown task {name!r}; expected one of {', '.join(TASKS)} (bbh and mmlu-redux also accept ':<subtask>')"
         )
     if sub and family not in ("bbh", "mmlu-redux"):
         raise _config_error(f"task {family!r} has no subtasks (got {name!r})")

@@ -1,0 +1,246 @@
+"""`safe-engine`: generate, chat, models, bench and eval from the command line.
+
+User mistakes (bad spec, unknown method, missing chat template) print one line on stderr and exit 2;
+no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from . import demo_models
+from .config import AGGREGATIONS, METHODS
+from .ensemble import Ensemble
+from .errors import SafeEngineError
+from .stats import GenerationResult
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-m",
+        "--model",
+        dest="models",
+        action="append",
+        required=True,
+        metavar="SPEC",
+        help="hub id, directory, .gguf file or demo name; repeat for each member (first = drafter)",
+    )
+    p.add_argument("--drafter", type=int, default=0, help="index of the drafter among -m (default 0)")
+    p.add_argument("--weights", type=float, nargs="+", help="one weight per member")
+    p.add_argument("--device", help="device for all members (cpu, cuda:0, auto)")
+    p.add_argument("--dtype", help="float32, bfloat16, float16")
+
+
+def _add_generation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", default="safe", help=f"one of {', '.join(METHODS)}")
+    p.add_argument("--aggregation", default="unite", help=f"one of {', '.join(AGGREGATIONS)}")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--draft-length", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=10)
+    p.add_argument("--sharpening", default="heuristic", help="heuristic, geometric or none")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--do-sample", action="store_true")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+
+
+def _options(args: argparse.Namespace) -> dict:
+    return {
+        "method": args.method,
+        "aggregation": args.aggregation,
+        "max_new_tokens": args.max_new_tokens,
+        "draft_length": args.draft_length,
+        "top_k": args.top_k,
+        "sharpening": None if args.sharpening.lower() == "none" else args.sharpening,
+        "stop": tuple(args.stop),
+        "do_sample": args.do_sample,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
+
+
+def _load(args: argparse.Namespace) -> Ensemble:
+    started = time.perf_counter()
+    ens = Ensemble.from_pretrained(
+        args.models, drafter=args.drafter, weights=args.weights, device_map=args.device, dtype=args.dtype
+    )
+    print(
+        f"[loaded {', '.join(ens.names)} in {time.perf_counter() - started:.1f} s; "
+        f"drafter {ens.names[ens.drafter_index]}]",
+        file=sys.stderr,
+    )
+    return ens
+
+
+def _stats_line(result: GenerationResult) -> str:
+    return f"[{result.stats.summary()}; finish={result.finish_reason}]"
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    options = _options(args)
+    from .config import GenerationConfig
+
+    GenerationConfig(**options)  # validate before the (slow) model load
+    ens = _load(args)
+    kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    if args.system and args.chat:
+        kwargs["messages"].insert(0, {"role": "system", "content": args.system})
+    if args.stream and not args.json:
+        stream = ens.stream(**kwargs, **options)
+        for delta in stream:
+            print(delta, end="", flush=True)
+        print()
+        result = stream.result
+    else:
+        result = ens.generate(**kwargs, **options)
+        if not args.json:
+            print(result.text)
+    if args.json:
+        print(
+            json.dumps(
+                {"text": result.text, "finish_reason": result.finish_reason, "stats": result.stats.to_dict()},
+                ensure_ascii=False,
+            )
+        )
+    else:
+        print(_stats_line(result), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    options = _options(args)
+    ens = _load(args)
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chat with the ensemble; empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line or line in {"/exit", "/quit"}:
+            break
+        history.append({"role": "user", "content": line})
+        print("ensemble> ", end="", flush=True)
+        stream = ens.stream(messages=history, **options)
+        for delta in stream:
+            print(delta, end="", flush=True)
+        print()
+        print(_stats_line(stream.result), file=sys.stderr)
+        history.append({"role": "assistant", "content": stream.result.text})
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    if args.action == "fetch":
+        for name in args.names or list(demo_models.DEMO_MODELS):
+            started = time.perf_counter()
+            path = demo_models.model_dir(name)
+            print(f"{name}: {path} ({time.perf_counter() - started:.1f} s)")
+        return 0
+    for row in demo_models.list_models():
+        state = "converted" if row["converted"] else "fetched" if row["fetched"] else "not fetched"
+        print(f"{row['name']:<20} {state:<12} {row['description']}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .eval import load_task, make_ensemble_config, run_eval, write_report
+
+    problems = load_task(args.task, data_dir=args.data, limit=args.limit, seed=args.seed)
+    ens = _load(args)
+    configs = {}
+    for method in args.methods:
+        name, _, aggregation = method.partition(":")
+        configs[method] = make_ensemble_config(
+            ens,
+            method=name,
+            aggregation=aggregation or "unite",
+            max_new_tokens=args.max_new_tokens,
+            chat=not args.fewshot,
+            seed=args.seed,
+        )
+    out = Path(args.out)
+    run_eval(configs, problems, out / f"{args.task.replace(':', '_')}.jsonl")
+    paths = write_report(out / f"{args.task.replace(':', '_')}.jsonl", out, title=f"{args.task} ({len(problems)})")
+    print(json.dumps({k: str(v) for k, v in paths.items()} if isinstance(paths, dict) else str(paths)))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="safe-engine", description="SAFE ensembling of causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate one completion or chat reply")
+    _add_model_args(gen)
+    _add_generation_args(gen)
+    gen.add_argument("--stream", action="store_true", help="print verified text as it is produced")
+    gen.add_argument("--chat", action="store_true", help="treat PROMPT as a user message (chat templates)")
+    gen.add_argument("--system", help="system message (with --chat)")
+    gen.add_argument("--json", action="store_true", help="print a JSON result instead of text")
+    gen.add_argument("prompt", metavar="PROMPT")
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive streaming chat")
+    _add_model_args(chat)
+    _add_generation_args(chat)
+    chat.add_argument("--system", help="system message")
+    chat.set_defaults(func=cmd_chat)
+
+    models = sub.add_parser("models", help="the offline demo models")
+    models.add_argument("action", choices=["fetch", "list"])
+    models.add_argument("names", nargs="*", metavar="NAME")
+    models.set_defaults(func=cmd_models)
+
+    ev = sub.add_parser("eval", help="benchmark accuracy of several configurations")
+    _add_model_args(ev)
+    ev.add_argument("--task", required=True, help="gsm8k, math500, bbh[:task], arc, mmlu-redux[:subject]")
+    ev.add_argument("--limit", type=int)
+    ev.add_argument("--seed", type=int)
+    ev.add_argument("--data", help="benchmark data folder (default: ../shared/data)")
+    ev.add_argument(
+        "--method",
+        dest="methods",
+        action="append",
+        help="configuration as METHOD[:AGGREGATION], repeatable (default: single, safe:unite)",
+    )
+    ev.add_argument("--max-new-tokens", type=int, default=384)
+    ev.add_argument("--fewshot", action="store_true", help="few-shot plain prompts (base models)")
+    ev.add_argument("--out", default="benchmarks/results", help="output folder")
+    ev.set_defaults(func=cmd_eval)
+
+    bench = sub.add_parser("bench", help="speed benchmark (see benchmarks/speed.py --help)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "methods", ()) is None:
+        args.methods = ["single", "safe:unite"]
+    try:
+        return args.func(args)
+    except SafeEngineError as err:
+        print(f"safe-engine: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

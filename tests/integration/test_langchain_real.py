@@ -1,0 +1,135 @@
+"""LangChain adapters with the real demo models: Qwen2.5-Coder-0.5B drafts, SmolLM2-135M verifies.
+
+Includes langchain-tests' `ChatModelIntegrationTests`. Replies are capped at a few dozen tokens so a run
+stays within CI time on two CPU cores; the models are loaded once per session.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, HumanMessage
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import PromptTemplate
+from langchain_core.tools import tool
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+
+from langchain_safe import ChatSafe, SafeLLM
+from safe_engine import Ensemble
+
+pytestmark = pytest.mark.integration
+
+MODELS = ["qwen2.5-coder-0.5b", "smollm2-135m"]  # drafter first
+MAX_TOKENS = 40
+
+
+@cache
+def real_ensemble() -> Ensemble:
+    return Ensemble.from_pretrained(MODELS)
+
+
+class TestChatSafeStandardIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatSafe]:
+        return ChatSafe
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"ensemble": real_ensemble(), "max_tokens": MAX_TOKENS}
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return False
+
+    @property
+    def supports_image_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_image_urls(self) -> bool:
+        return False
+
+    @property
+    def supports_pdf_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_audio_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_video_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_image_tool_message(self) -> bool:
+        return False
+
+    @property
+    def supports_pdf_tool_message(self) -> bool:
+        return False
+
+    @property
+    def supports_anthropic_inputs(self) -> bool:
+        return False
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False
+
+
+# -- beyond the standard suite ---------------------------------------------------------------------------
+@tool
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers a and b and return the product."""
+    return a * b
+
+
+def test_real_tool_call_and_answer():
+    chat = ChatSafe(ensemble=real_ensemble(), max_tokens=48)
+    bound = chat.bind_tools([multiply])
+    question = HumanMessage("What is 1234 * 5678? Use the multiply tool.")
+    first = bound.invoke([question])
+    assert first.tool_calls, f"no tool call in {first!r}"
+    call = first.tool_calls[0]
+    assert call["name"] == "multiply" and call["args"] == {"a": 1234, "b": 5678}
+    tool_message = multiply.invoke(call)
+    final = bound.invoke([question, first, tool_message])
+    assert "7006652" in final.content.replace(",", "")
+    assert final.response_metadata["stats"]["tokens"] == final.usage_metadata["output_tokens"]
+
+
+def test_real_llm_invoke_stream_and_lcel():
+    llm = SafeLLM(ensemble=real_ensemble(), max_new_tokens=12)
+    text = llm.invoke("def fibonacci(n):")
+    assert text.strip()
+    assert "".join(llm.stream("def fibonacci(n):")) == text
+    chain = PromptTemplate.from_template("def {name}(n):") | llm | StrOutputParser()
+    assert chain.invoke({"name": "fibonacci"}) == text
+    info = llm.generate(["def fibonacci(n):"]).generations[0][0].generation_info
+    assert info["stats"]["tokens"] <= 12 and 0.0 <= info["ensemble_rate"] <= 1.0
+
+
+def test_real_lazy_loading_by_demo_name():
+    chat = ChatSafe(models=MODELS, max_tokens=8)
+    assert not chat.is_loaded and chat.ensemble_name == "safe:qwen2.5-coder-0.5b+smollm2-135m"
+    reply = chat.invoke("Say hello.")
+    assert isinstance(reply, AIMessage) and reply.content and chat.is_loaded
+
+
+def test_chat_model_is_a_base_chat_model():
+    assert issubclass(ChatSafe, BaseChatModel)

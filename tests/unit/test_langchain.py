@@ -1,0 +1,612 @@
+"""langchain_safe with tiny random models over real tokenizers: SafeLLM and ChatSafe behaviour.
+
+The tiny models write gibberish, so tests compare the adapters with the engine itself (greedy decoding
+is deterministic) and script the engine's verified text where a test needs a particular reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import PromptTemplate
+from langchain_core.tools import tool
+from pydantic import BaseModel, ValidationError
+
+from langchain_safe import ChatSafe, SafeLLM
+from langchain_safe._messages import ContentStream, new_tool_call_id, parse_reply, to_engine_messages
+from safe_engine import Ensemble, EnsembleStats, GenerationResult, SafeEngineError
+from safe_engine.chat import chat_prompt_ids
+from safe_engine.errors import ConfigError, InputError
+from tests.conftest import tiny_member, tokenizer
+
+PROMPT = "The quick brown fox"
+N = 12
+
+
+@pytest.fixture(scope="module")
+def members():
+    """Qwen (template renders tools) + EXAONE (template ignores tools): both have chat templates."""
+    return [tiny_member("qwen2.5-7b-instruct", 1), tiny_member("exaone-3.5", 2)]
+
+
+@pytest.fixture
+def ens(members) -> Ensemble:
+    return Ensemble(members, drafter=0)
+
+
+@pytest.fixture
+def llm(ens) -> SafeLLM:
+    return SafeLLM(ensemble=ens, max_new_tokens=N)
+
+
+@pytest.fixture
+def chat(ens) -> ChatSafe:
+    return ChatSafe(ensemble=ens, max_tokens=N)
+
+
+@tool
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers a and b."""
+    return a * b
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers a and b."""
+    return a + b
+
+
+class Recorder(BaseCallbackHandler):
+    """Records every token and the final LLMResult the callbacks see."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.ends: list = []
+
+    def on_llm_new_token(self, token: str, **kwargs) -> None:
+        self.tokens.append(token)
+
+    def on_llm_end(self, response, **kwargs) -> None:
+        self.ends.append(response)
+
+
+class ScriptedStream:
+    """Stands in for the engine's TextStream: yields given deltas, then holds a GenerationResult."""
+
+    def __init__(self, deltas: list[str], finish: str = "eos", prompt_tokens: dict | None = None) -> None:
+        self._left = list(deltas)
+        self._text = "".join(deltas)
+        self._finish = finish
+        self._prompt_tokens = prompt_tokens or {}
+        self.result: GenerationResult | None = None
+        self.closed = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        if not self._left:
+            self._done()
+            raise StopIteration
+        delta = self._left.pop(0)
+        if not self._left:
+            self._done()
+        return delta
+
+    def _done(self) -> None:
+        if self.result is None:
+            stats = EnsembleStats(method="safe", tokens=7, ensembled_tokens=1, rounds=2)
+            stats.prompt_tokens = dict(self._prompt_tokens)
+            self.result = GenerationResult(self._text, self._finish, stats)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def script(monkeypatch, ens: Ensemble, *replies: list[str]) -> list[dict]:
+    """Make `ens` reply with the given delta lists, in order; returns the captured request kwargs."""
+    calls: list[dict] = []
+    queue = list(replies)
+
+    def fake_stream(prompt=None, **kwargs):
+        calls.append({"prompt": prompt, **kwargs})
+        deltas = queue.pop(0) if len(queue) > 1 else queue[0]
+        return ScriptedStream(deltas, prompt_tokens={name: 10 + i for i, name in enumerate(ens.names)})
+
+    monkeypatch.setattr(ens, "stream", fake_stream)
+    return calls
+
+
+# -- SafeLLM ---------------------------------------------------------------------------------------------
+def test_llm_invoke_matches_the_engine(llm, ens):
+    expected = ens.generate(PROMPT, max_new_tokens=N)
+    assert llm.invoke(PROMPT) == expected.text
+    assert expected.text
+
+
+def test_llm_batch(llm, ens):
+    prompts = [PROMPT, "Once upon a time"]
+    assert llm.batch(prompts) == [ens.generate(p, max_new_tokens=N).text for p in prompts]
+
+
+def test_llm_generate_carries_stats_and_finish_reason(llm):
+    result = llm.generate([PROMPT])
+    info = result.generations[0][0].generation_info
+    assert info["finish_reason"] in ("eos", "length", "stop")
+    stats = info["stats"]
+    assert stats["tokens"] > 0 and 0.0 <= info["ensemble_rate"] <= 1.0
+    assert info["ensemble_rate"] == pytest.approx(stats["ensembled_tokens"] / stats["tokens"])
+    assert set(stats["forward_passes"]) == set(llm.member_names)
+    assert result.llm_output["model_name"] == llm.ensemble_name
+
+
+def test_llm_stream_yields_verified_deltas(llm):
+    chunks = list(llm.stream(PROMPT))
+    assert len([c for c in chunks if c]) > 1
+    assert "".join(chunks) == llm.invoke(PROMPT)
+
+
+async def test_llm_astream_and_ainvoke(llm):
+    text = llm.invoke(PROMPT)
+    chunks = [c async for c in llm.astream(PROMPT)]
+    assert "".join(chunks) == text
+    assert await llm.ainvoke(PROMPT) == text
+    assert await llm.abatch([PROMPT, PROMPT]) == [text, text]
+
+
+def test_llm_callbacks_receive_exactly_the_streamed_deltas(llm):
+    rec = Recorder()
+    chunks = list(llm.stream(PROMPT, config={"callbacks": [rec]}))
+    assert rec.tokens == chunks
+    info = rec.ends[0].generations[0][0].generation_info
+    assert info["finish_reason"] in ("eos", "length", "stop") and "stats" in info
+    rec2 = Recorder()
+    text = llm.invoke(PROMPT, config={"callbacks": [rec2]})
+    assert "".join(rec2.tokens) == text and all(rec2.tokens)
+
+
+async def test_llm_async_callbacks_receive_exactly_the_streamed_deltas(llm):
+    rec = Recorder()
+    chunks = [c async for c in llm.astream(PROMPT, config={"callbacks": [rec]})]
+    assert rec.tokens == chunks
+
+
+def test_llm_stop_sequences(llm, ens):
+    full = ens.generate(PROMPT, max_new_tokens=N).text
+    cut = len(full) // 2
+    stop = full[cut : cut + 3]
+    assert stop.strip(), f"pick another prompt: {full!r}"
+    before = full[: full.index(stop)]
+    result = llm.generate([PROMPT], stop=[stop]).generations[0][0]
+    assert result.text == before and stop not in result.text
+    assert result.generation_info["finish_reason"] == "stop"
+    assert "".join(llm.stream(PROMPT, stop=[stop])) == before
+    # A field-level stop applies by default; a call's own stop replaces it.
+    with_default = SafeLLM(ensemble=ens, max_new_tokens=N, stop=[stop])
+    assert with_default.invoke(PROMPT) == before
+    assert with_default.invoke(PROMPT, stop=["\x00never"]) == full
+
+
+def test_llm_lcel_composition(llm):
+    prompt = PromptTemplate.from_template("The {animal} jumps over")
+    chain = prompt | llm | StrOutputParser()
+    assert chain.invoke({"animal": "fox"}) == llm.invoke("The fox jumps over")
+
+
+def test_llm_per_call_options_override_fields(llm):
+    short = llm.generate([PROMPT], max_new_tokens=3).generations[0][0].generation_info
+    assert short["stats"]["tokens"] <= 3 and short["finish_reason"] in ("length", "eos", "stop")
+    alias = llm.generate([PROMPT], max_tokens=2).generations[0][0].generation_info
+    assert alias["stats"]["tokens"] <= 2
+    single = llm.generate([PROMPT], method="single").generations[0][0].generation_info
+    assert single["stats"]["method"] == "single" and single["stats"]["ensembled_tokens"] == 0
+    with pytest.raises(ConfigError, match="unknown option"):
+        llm.invoke(PROMPT, bogus=1)
+
+
+def test_llm_temperature_semantics(ens):
+    greedy = SafeLLM(ensemble=ens, max_new_tokens=N, temperature=0).invoke(PROMPT)
+    assert greedy == ens.generate(PROMPT, max_new_tokens=N).text
+    sampled = SafeLLM(ensemble=ens, max_new_tokens=N, temperature=1.5, seed=7)
+    assert sampled.invoke(PROMPT) == sampled.invoke(PROMPT)  # seeded sampling is reproducible
+    assert (
+        sampled.invoke(PROMPT) == ens.generate(PROMPT, max_new_tokens=N, do_sample=True, temperature=1.5, seed=7).text
+    )
+
+
+def test_llm_identity(llm):
+    assert llm._llm_type == "safe-ensemble"
+    params = llm._identifying_params
+    assert (
+        params["models"] == ["qwen2.5-7b-instruct-1", "exaone-3.5-2"] and params["drafter"] == "qwen2.5-7b-instruct-1"
+    )
+    assert params["method"] == "safe" and params["max_new_tokens"] == N
+    ls = llm._get_ls_params(stop=["x"])
+    assert ls["ls_provider"] == "safe" and ls["ls_model_type"] == "llm" and ls["ls_stop"] == ["x"]
+    assert ls["ls_model_name"] == "safe:qwen2.5-7b-instruct-1+exaone-3.5-2"
+
+
+def test_construction_errors(ens):
+    with pytest.raises(ValidationError, match="exactly one of"):
+        SafeLLM()
+    with pytest.raises(ValidationError, match="exactly one of"):
+        SafeLLM(ensemble=ens, models=["smollm2-135m"])
+    with pytest.raises(ValidationError, match="only apply when loading"):
+        SafeLLM(ensemble=ens, drafter=1)
+    with pytest.raises(ValidationError, match="drafter must be"):
+        ChatSafe(models=["a", "b"], drafter=2)
+    with pytest.raises(ValidationError, match="unknown method"):
+        SafeLLM(ensemble=ens, method="bogus")
+    with pytest.raises(ValidationError, match="draft_length"):
+        ChatSafe(ensemble=ens, draft_length=0)
+
+
+def _save_tiny(tmp_path, name: str, seed: int):
+    member = tiny_member(name, seed)
+    out = tmp_path / f"{name}-saved"
+    member.model.save_pretrained(out)
+    tokenizer(name).save_pretrained(out)
+    return out
+
+
+def test_lazy_loading_from_specs(tmp_path, monkeypatch, members):
+    dirs = [_save_tiny(tmp_path, "qwen2.5-7b-instruct", 1), _save_tiny(tmp_path, "exaone-3.5", 2)]
+    loads = []
+    original = Ensemble.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        loads.append(args)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(Ensemble, "from_pretrained", classmethod(spy))
+    started = time.perf_counter()
+    llm = SafeLLM(models=[str(d) for d in dirs], max_new_tokens=N, dtype="float32")
+    chat = ChatSafe(models=[str(d) for d in dirs], max_tokens=N)
+    assert time.perf_counter() - started < 1.0
+    assert loads == [] and not llm.is_loaded and not chat.is_loaded
+    assert llm.member_names == ["qwen2.5-7b-instruct-saved", "exaone-3.5-saved"]
+    assert llm._identifying_params["models"] == llm.member_names and loads == []
+
+    text = llm.invoke(PROMPT)
+    assert len(loads) == 1 and llm.is_loaded
+    assert text == Ensemble(members).generate(PROMPT, max_new_tokens=N).text  # same weights, same text
+    assert llm.invoke(PROMPT) == text and len(loads) == 1  # loaded once
+    assert chat.invoke("Hi").content is not None and len(loads) == 2
+
+
+async def test_lazy_loading_async_does_not_block_the_loop(tmp_path):
+    llm = SafeLLM(models=[str(_save_tiny(tmp_path, "qwen2.5-7b-instruct", 1))], max_new_tokens=N)
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    task = asyncio.create_task(ticker())
+    chunks = [c async for c in llm.astream(PROMPT)]
+    stop.set()
+    await task
+    assert chunks and ticks > 5  # the loop kept running while loading and decoding
+
+
+# -- ChatSafe: messages ----------------------------------------------------------------------------------
+def test_messages_to_openai_dicts():
+    call = {"name": "multiply", "args": {"a": 2, "b": 3}, "id": "abc123xyz", "type": "tool_call"}
+    msgs = to_engine_messages(
+        [
+            SystemMessage("be brief"),
+            HumanMessage("2*3?"),
+            AIMessage("", tool_calls=[call]),
+            ToolMessage("6", tool_call_id="abc123xyz", name="multiply"),
+            AIMessage([{"type": "text", "text": "It is "}, {"type": "text", "text": "6."}]),
+        ]
+    )
+    assert msgs == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "2*3?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "abc123xyz", "type": "function", "function": {"name": "multiply", "arguments": {"a": 2, "b": 3}}}
+            ],
+        },
+        {"role": "tool", "content": "6", "tool_call_id": "abc123xyz", "name": "multiply"},
+        {"role": "assistant", "content": "It is 6."},
+    ]
+    with pytest.raises(InputError, match="text-only"):
+        to_engine_messages([HumanMessage([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])])
+    anthropic_style = AIMessage(
+        [{"type": "text", "text": "calling"}, {"type": "tool_use", "id": "t1", "name": "add", "input": {}}],
+        tool_calls=[{"name": "add", "args": {}, "id": "t1", "type": "tool_call"}],
+    )
+    assert to_engine_messages([anthropic_style])[0]["content"] == "calling"
+
+
+def test_tool_history_renders_in_every_template(members):
+    """Our tool-call ids satisfy Mistral's strict template; Qwen and EXAONE accept the same history."""
+    call_id = new_tool_call_id()
+    assert len(call_id) == 9 and call_id.isalnum()
+    history = to_engine_messages(
+        [
+            HumanMessage("What is 2*3?"),
+            AIMessage("", tool_calls=[{"name": "multiply", "args": {"a": 2, "b": 3}, "id": call_id}]),
+            ToolMessage("6", tool_call_id=call_id),
+        ]
+    )
+    mistral = tiny_member("mistral-7b-instruct-v0.3", 3)
+    for member in [*members, mistral]:
+        text = member.tokenizer.decode(chat_prompt_ids(member, history, None))
+        assert "6" in text and "What is 2*3?" in text
+
+
+def test_chat_invoke_stream_astream_agree(chat, ens):
+    msg = chat.invoke("Hello")
+    assert isinstance(msg, AIMessage) and msg.content
+    expected = ens.generate(messages=[{"role": "user", "content": "Hello"}], max_new_tokens=N)
+    assert msg.content == expected.text
+    full = None
+    chunks = list(chat.stream("Hello"))
+    for c in chunks:
+        assert isinstance(c, AIMessageChunk)
+        full = c if full is None else full + c
+    assert full.content == msg.content and chunks[-1].chunk_position == "last"
+    assert full.usage_metadata == msg.usage_metadata
+    assert full.response_metadata["finish_reason"] == msg.response_metadata["finish_reason"]
+
+    async def collect():
+        out = None
+        async for c in chat.astream("Hello"):
+            out = c if out is None else out + c
+        return out, await chat.ainvoke("Hello")
+
+    afull, amsg = asyncio.run(collect())
+    assert afull.content == msg.content == amsg.content
+
+
+def test_chat_usage_and_response_metadata(chat, ens, members):
+    msg = chat.invoke([SystemMessage("You are terse."), HumanMessage("Hello")])
+    drafter_prompt = chat_prompt_ids(
+        members[0], [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello"}]
+    )
+    stats = msg.response_metadata["stats"]
+    assert msg.usage_metadata["input_tokens"] == len(drafter_prompt) == stats["prompt_tokens"][ens.names[0]]
+    assert msg.usage_metadata["output_tokens"] == stats["tokens"]
+    assert msg.usage_metadata["total_tokens"] == len(drafter_prompt) + stats["tokens"]
+    meta = msg.response_metadata
+    assert meta["model_name"] == chat.ensemble_name and meta["model_provider"] == "safe"
+    assert meta["finish_reason"] in ("eos", "length", "stop")
+    assert meta["ensemble_rate"] == pytest.approx(stats["ensembled_tokens"] / stats["tokens"])
+
+
+def test_chat_stop_and_callbacks(chat, ens):
+    full = ens.generate(messages=[{"role": "user", "content": "Hello"}], max_new_tokens=N).text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    assert stop.strip()
+    msg = chat.invoke("Hello", stop=[stop])
+    assert msg.content == full[: full.index(stop)] and msg.response_metadata["finish_reason"] == "stop"
+    rec = Recorder()
+    chunks = [c.content for c in chat.stream("Hello", config={"callbacks": [rec]})]
+    assert rec.tokens == chunks
+
+
+def test_chat_ls_params(chat):
+    ls = chat._get_ls_params(stop=["x"])
+    assert ls == {
+        "ls_provider": "safe",
+        "ls_model_name": "safe:qwen2.5-7b-instruct-1+exaone-3.5-2",
+        "ls_model_type": "chat",
+        "ls_max_tokens": N,
+        "ls_stop": ["x"],
+    }
+    assert chat._get_ls_params(model="other")["ls_model_name"] == "other"
+    assert chat._llm_type == "safe-ensemble-chat"
+
+
+# -- ChatSafe: tools -------------------------------------------------------------------------------------
+def _multiply_schema():
+    from langchain_core.utils.function_calling import convert_to_openai_tool
+
+    return [convert_to_openai_tool(multiply), convert_to_openai_tool(add)]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (
+            '<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+            "",
+            [("multiply", {"a": 2, "b": 3})],
+        ),
+        (
+            'Let me compute.\n<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>\n'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}</tool_call>',
+            "Let me compute.\n",
+            [("multiply", {"a": 2, "b": 3}), ("add", {"a": 1, "b": 1})],
+        ),
+        ('{"name": "multiply", "arguments": {"a": 2, "b": 3}}', "", [("multiply", {"a": 2, "b": 3})]),
+        ('```json\n{"name": "add", "parameters": {"a": 1, "b": 2}}\n```', "", [("add", {"a": 1, "b": 2})]),
+        (
+            '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "multiply", "arguments": {"a": 3, "b": 4}}]',
+            "",
+            [("add", {"a": 1, "b": 2}), ("multiply", {"a": 3, "b": 4})],
+        ),
+        ('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}', "", [("multiply", {"a": 2, "b": 3})]),
+        ('{"name": "unknown_tool", "arguments": {}}', '{"name": "unknown_tool", "arguments": {}}', []),
+        ("The answer is {a: 1}.", "The answer is {a: 1}.", []),
+    ],
+)
+def test_parse_reply(text, content, calls):
+    parsed = parse_reply(text, _multiply_schema())
+    assert parsed.content == content
+    assert [(c["name"], c["args"]) for c in parsed.tool_calls] == calls
+    assert not parsed.invalid_tool_calls
+    assert all(len(c["id"]) == 9 for c in parsed.tool_calls)
+
+
+def test_parse_reply_without_tools_is_plain_text():
+    text = '<tool_call>{"name": "multiply", "arguments": {}}</tool_call>'
+    assert parse_reply(text, None).content == text
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "error"),
+    [
+        ("<tool_call>{not json}</tool_call>", None, "invalid JSON"),
+        ('<tool_call>{"name": "multiply", "arguments": {"a": 2,</tool_call>', "multiply", "invalid JSON"),
+        ('<tool_call>{"arguments": {}}</tool_call>', None, "name"),
+        ('<tool_call>{"name": "multiply", "arguments": [1, 2]}</tool_call>', "multiply", "JSON object"),
+        ('<tool_call>{"name": "multiply", "arguments": "{oops"}</tool_call>', "multiply", "not valid JSON"),
+        ('<tool_call>["multiply"]</tool_call>', None, "JSON object"),
+    ],
+)
+def test_malformed_tool_calls_become_invalid_tool_calls(text, name, error):
+    parsed = parse_reply(text, _multiply_schema())
+    assert parsed.tool_calls == [] and parsed.content == ""
+    (bad,) = parsed.invalid_tool_calls
+    assert bad["name"] == name and error in bad["error"] and bad["args"]
+
+
+def test_forced_single_tool_accepts_bare_arguments():
+    schema = _multiply_schema()[:1]
+    parsed = parse_reply('{"a": 2, "b": 3}', schema, forced="multiply")
+    assert [(c["name"], c["args"]) for c in parsed.tool_calls] == [("multiply", {"a": 2, "b": 3})]
+    assert parse_reply('{"a": 2}', schema, forced="multiply").tool_calls == []  # "b" is required
+    assert parse_reply('{"a": 2, "b": 3}', schema).tool_calls == []  # not forced: just text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Plain answer with no call.",
+        'Sure.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
+        '\n\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+        '{"name": "multiply", "arguments": {"a": 2, "b": 3}}',
+        "Text with a < sign and <tool_c but no call",
+        "<tool_call>{broken</tool_call> trailing words",
+    ],
+)
+def test_content_stream_is_a_prefix_of_the_final_content(text):
+    for step in (1, 3, 7):
+        stream = ContentStream(_multiply_schema())
+        out = "".join(stream.feed(text[i : i + step]) for i in range(0, len(text), step))
+        assert "<tool_call" not in out and not out.lstrip().startswith("{")
+        tail, parsed = stream.finish()
+        assert out + tail == parsed.content == parse_reply(text, _multiply_schema()).content
+
+
+def test_tool_calls_end_to_end_with_a_scripted_reply(chat, ens, monkeypatch):
+    reply = ["Sure.", '\n<tool_call>\n{"name": "multiply", ', '"arguments": {"a": 2, "b": 3}}\n</tool_call>']
+    calls = script(monkeypatch, ens, reply)
+    bound = chat.bind_tools([multiply, add])
+    msg = bound.invoke("What is 2*3?")
+    assert msg.content == "Sure.\n"
+    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("multiply", {"a": 2, "b": 3})]
+    assert msg.usage_metadata == {"input_tokens": 10, "output_tokens": 7, "total_tokens": 17}
+    request = calls[0]
+    assert [t["function"]["name"] for t in request["tools"]] == ["multiply", "add"]
+    assert request["messages"] == [{"role": "user", "content": "What is 2*3?"}]
+    assert request["max_new_tokens"] == N and request["prompt"] is None
+
+    chunks = list(bound.stream("What is 2*3?"))
+    assert [c.content for c in chunks] == ["Sure.", "\n", ""]  # the last chunk carries the calls
+    full = chunks[0]
+    for c in chunks[1:]:
+        full += c
+    assert full.content == "Sure.\n" and [c["name"] for c in full.tool_calls] == ["multiply"]
+    assert full.tool_calls[0]["args"] == {"a": 2, "b": 3}
+
+    async def astream():
+        out = None
+        async for c in bound.astream("What is 2*3?"):
+            out = c if out is None else out + c
+        return out, await bound.ainvoke("What is 2*3?")
+
+    afull, amsg = asyncio.run(astream())
+    assert afull.tool_calls[0]["args"] == amsg.tool_calls[0]["args"] == {"a": 2, "b": 3}
+
+
+def test_malformed_call_end_to_end_is_not_an_exception(chat, ens, monkeypatch):
+    script(monkeypatch, ens, ['<tool_call>{"name": "multiply", "arguments": {a: 2}}</tool_call>'])
+    msg = chat.bind_tools([multiply]).invoke("2*3?")
+    assert msg.tool_calls == [] and msg.content == ""
+    assert msg.invalid_tool_calls[0]["name"] == "multiply" and "invalid JSON" in msg.invalid_tool_calls[0]["error"]
+
+
+def test_tool_choice_and_parallel_tool_calls(chat, ens, monkeypatch):
+    two = (
+        '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        '<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>'
+    )
+    calls = script(monkeypatch, ens, [two])
+    msg = chat.bind_tools([multiply, add], tool_choice="multiply").invoke(
+        [SystemMessage("Be exact."), HumanMessage("?")]
+    )
+    assert len(msg.tool_calls) == 2
+    assert calls[-1]["messages"][0] == {
+        "role": "system",
+        "content": "Be exact.\n\nAnswer by calling the tool 'multiply'.",
+    }
+    chat.bind_tools([multiply, add], tool_choice="any").invoke("?")
+    assert calls[-1]["messages"][0]["content"] == "Answer by calling one of the provided tools."
+    chat.bind_tools([multiply, add], tool_choice="auto").invoke("?")
+    assert calls[-1]["messages"] == [{"role": "user", "content": "?"}]
+    msg = chat.bind_tools([multiply, add], tool_choice="none").invoke("?")
+    assert not calls[-1].get("tools") and msg.tool_calls == []
+    msg = chat.bind_tools([multiply, add], parallel_tool_calls=False).invoke("?")
+    assert [c["name"] for c in msg.tool_calls] == ["add"]
+    with pytest.raises(ConfigError, match="not a bound tool"):
+        chat.bind_tools([multiply], tool_choice="divide")
+
+
+def test_with_structured_output_via_tools(chat, ens, monkeypatch):
+    class Product(BaseModel):
+        """The product of two numbers."""
+
+        value: int
+
+    script(monkeypatch, ens, ['{"value": 6}'])  # a small model's bare-arguments reply
+    assert chat.with_structured_output(Product).invoke("2*3?") == Product(value=6)
+    script(monkeypatch, ens, ['<tool_call>{"name": "Product", "arguments": {"value": 6}}</tool_call>'])
+    assert chat.with_structured_output(Product.model_json_schema()).invoke("2*3?") == {"value": 6}
+    raw = chat.with_structured_output(Product, include_raw=True).invoke("2*3?")
+    assert raw["parsed"] == Product(value=6) and isinstance(raw["raw"], AIMessage)
+
+
+def test_tools_reach_each_members_template(members):
+    """Qwen renders the schemas itself; EXAONE's template ignores tools, so they go in its system message."""
+    schemas = _multiply_schema()
+    msgs = [{"role": "user", "content": "What is 2*3?"}]
+    qwen = tokenizer("qwen2.5-7b-instruct").decode(chat_prompt_ids(members[0], msgs, schemas))
+    exaone = tokenizer("exaone-3.5").decode(chat_prompt_ids(members[1], msgs, schemas))
+    assert "<tools>" in qwen and '"multiply"' in qwen
+    assert '"multiply"' in exaone and "<tool_call>" in exaone
+    assert exaone.index('"multiply"') < exaone.index("What is 2*3?")
+
+
+def test_tools_with_real_decoding_do_not_raise(chat):
+    """Random tiny models write gibberish; whatever they write, the reply is a well-formed AIMessage."""
+    msg = chat.bind_tools([multiply, add], tool_choice="any").invoke("What is 2*3?")
+    assert isinstance(msg, AIMessage) and isinstance(msg.tool_calls, list)
+    json.dumps(msg.response_metadata)
+
+
+def test_engine_errors_surface_as_safe_engine_errors(chat):
+    with pytest.raises(SafeEngineError):
+        chat.invoke("Hi", method="bogus")
+
+
+def test_unknown_constructor_parameters_are_refused(ens):
+    with pytest.raises(ValidationError, match="unknown parameter"):
+        ChatSafe(ensemble=ens, max_new_token=5)
+    # LangChain's standard hosted-model parameters are accepted (and have nothing to do here).
+    assert ChatSafe(ensemble=ens, api_key="x", timeout=30, max_retries=1, streaming=True).streaming
