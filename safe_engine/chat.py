@@ -16,6 +16,7 @@ from typing import Any
 
 from .errors import ChatTemplateError, InputError, InputTypeError
 from .members import Member
+from .vocab import tokenizer_lock
 
 _PLACEHOLDER = "\x00safe-content-{}\x00"
 _PLACEHOLDER_RE = re.compile("\x00safe-content-(\\d+)\x00")
@@ -36,8 +37,22 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         content = message.get("content")
         if content is not None and not isinstance(content, str):
             raise InputTypeError(f"messages[{i}]['content'] must be a string, got {type(content).__name__}")
+        if content:
+            check_text(content, f"messages[{i}]['content']")
         checked.append(dict(message))
     return checked
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse a str that is not valid Unicode (a lone surrogate such as "\\ud800", e.g. from bytes decoded
+    with errors="surrogateescape"): tokenizers would fail on it with an unrelated TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InputError(
+            f"{what} contains an unpaired surrogate {text[err.start]!r} at index {err.start}, which is not valid "
+            "Unicode text; decode the source bytes with errors='replace' or remove it"
+        ) from None
 
 
 def chat_prompt_ids(member: Member, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
@@ -57,7 +72,8 @@ def chat_prompt_ids(member: Member, messages: list[dict[str, Any]], tools: list[
     # The first piece is encoded as the start of a sequence (SentencePiece dummy prefix included, as when
     # the whole string is encoded); later pieces continue it.
     pieces = _PLACEHOLDER_RE.split(rendered)  # template, content index, template, content index, ...
-    ids: list[int] = list(member.tokenizer(pieces[0], add_special_tokens=False)["input_ids"])
+    with tokenizer_lock(member.tokenizer):
+        ids: list[int] = list(member.tokenizer(pieces[0], add_special_tokens=False)["input_ids"])
     for i in range(1, len(pieces), 2):
         ids += member.vocab.encode_text(contents[int(pieces[i])])
         ids += member.vocab.encode_text(pieces[i + 1], control_tokens=True)

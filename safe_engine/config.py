@@ -42,14 +42,20 @@ class GenerationConfig:
             raise ConfigError(
                 f"max_new_tokens={self.max_new_tokens} is absurdly large; use at most {MAX_NEW_TOKENS_LIMIT}"
             )
+        if isinstance(self.sharpen_threshold, bool) or not isinstance(self.sharpen_threshold, int | float):
+            raise ConfigError(f"sharpen_threshold (λ) must be a number in [0, 1), got {self.sharpen_threshold!r}")
         if not 0.0 <= self.sharpen_threshold < 1.0:
             raise ConfigError(f"sharpen_threshold (λ) must be in [0, 1), got {self.sharpen_threshold}")
-        if not isinstance(self.temperature, int | float) or self.temperature <= 0:
+        if not isinstance(self.temperature, int | float) or not self.temperature > 0:  # `not >`: NaN too
             raise ConfigError(f"temperature must be > 0, got {self.temperature!r}; use do_sample=False for greedy")
         if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):
+            raise ConfigError(f"seed must be an int in [-2**63, 2**64) or None, got {self.seed!r}")
+        if not isinstance(self.do_sample, bool):  # "no" would be truthy and silently sample
+            raise ConfigError(f"do_sample must be True or False, got {self.do_sample!r}")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
 
     def updated(self, **overrides: Any) -> GenerationConfig:

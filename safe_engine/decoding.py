@@ -70,16 +70,19 @@ class Verification:
         common = _common_prefix(track.ids, new_ids)
         track.ids = new_ids
         track.cached = min(track.cached, common)
+        self.member = track.member
+        self.too_long = member_full(track)
+        if self.too_long:  # scoring would run the model past its window (IndexError for learned positions)
+            self.logits, self.at = torch.empty(0), {}
+            return
         k_first = bisect_left(starts, first_offset)
         self.logits, first_row = track.run(track.prompt_len + k_first - 1)
-        self.member = track.member
         # text offset -> (row of logits predicting the token that starts there, that token or None at end)
         self.at: dict[int, tuple[int, int | None]] = {}
         for k in range(k_first, len(ids) + 1):
             offset = starts[k] if k < len(ids) else len(text)
             # setdefault: when tokens share a start (normalised text), the boundary is before the first
             self.at.setdefault(offset, (track.prompt_len + k - 1 - first_row, ids[k] if k < len(ids) else None))
-        self.too_long = member_full(track)
 
 
 def member_full(track: Track) -> bool:
@@ -305,7 +308,10 @@ class Generation:
             else:
                 single = member.vocab.id_of_bytes.get(replacement)
                 extra = [single] if single is not None else member.vocab.encode(replacement)[0]
-                extra = extra[: budget - len(kept)]
+                room = budget - len(kept)  # >= 1: the replaced position was within the budget and the window
+                if member.context_window is not None:
+                    room = min(room, member.context_window - base - len(kept))
+                extra = extra[: max(room, 1)]
                 pieces += [member.token_bytes[t] or b"" for t in extra]
         drafter.ids = drafter.ids[:base] + kept + extra
         drafter.cached = min(drafter.cached, base + len(kept))

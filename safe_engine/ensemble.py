@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -11,11 +12,11 @@ from typing import Any
 import torch
 
 from .aggregation import UnionVocab
-from .chat import chat_prompt_ids, validate_messages
+from .chat import chat_prompt_ids, check_text, validate_messages
 from .config import GenerationConfig
 from .decoding import Generation
 from .errors import ConfigError, InputError, InputTypeError
-from .members import Member, ModelSpec, load_member
+from .members import Member, ModelSpec, check_device, load_member
 from .stats import GenerationResult
 
 
@@ -60,6 +61,8 @@ class Ensemble:
         if isinstance(specs, str | ModelSpec) or not isinstance(specs, Sequence) or not specs:
             raise InputTypeError("specs must be a non-empty list of model specs, e.g. ['smollm2-135m', 'gemma3-270m']")
         devices = _devices(device_map, len(specs))
+        for dev in devices:  # all of them before loading any member
+            check_device(dev)
         members = [
             load_member(spec, device=dev, dtype=dtype, trust_remote_code=trust_remote_code)
             for spec, dev in zip(specs, devices)
@@ -141,6 +144,7 @@ class Ensemble:
                 raise InputTypeError(f"prompt must be a str, got {type(prompt).__name__}; for chat use messages=")
             if not prompt:
                 raise InputError("prompt is empty; pass some text to continue")
+            check_text(prompt, "the prompt")
             ids = {id(m): m.prompt_ids(prompt) for m in members}
         for m in members:
             if not ids[id(m)]:
@@ -232,8 +236,8 @@ def _weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:
         raise ConfigError(f"weights must be a list of {n} numbers, got {weights!r}") from err
     if len(values) != n:
         raise ConfigError(f"weights has {len(values)} entries but the ensemble has {n} members")
-    if any(w < 0 or w != w for w in values) or sum(values) <= 0:
-        raise ConfigError(f"weights must be non-negative and not all zero, got {values}")
+    if any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
+        raise ConfigError(f"weights must be finite, non-negative and not all zero, got {values}")
     total = sum(values)
     return torch.tensor([w / total for w in values])
 

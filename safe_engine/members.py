@@ -7,6 +7,7 @@ tokenizer, byte-level vocabulary. Per-request state (token ids, KV cache) lives 
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from . import demo_models
 from .errors import ConfigError, InputTypeError, ModelLoadError
-from .vocab import Vocab
+from .vocab import Vocab, tokenizer_lock
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ class Member:
     # -- text -> ids --------------------------------------------------------------------------------
     def prompt_ids(self, prompt: str) -> list[int]:
         """Ids of a raw prompt: the tokenizer's own special prefix (BOS) + the text, control strings as text."""
-        ids = self.tokenizer(prompt, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+        with tokenizer_lock(self.tokenizer):
+            ids = self.tokenizer(prompt, add_special_tokens=True, split_special_tokens=True)["input_ids"]
         return list(ids)
 
     # -- forward ------------------------------------------------------------------------------------
@@ -146,6 +148,29 @@ def _local_dir(spec: ModelSpec) -> str:
     return spec.path  # a hub id such as "Qwen/Qwen2.5-7B-Instruct"
 
 
+def check_device(device: Any) -> None:
+    """Refuse a device this machine does not have, before any weights are read (torch would fail later
+    with an assertion or a device-string error that does not say which member or what to do)."""
+    if device is None or device == "auto":
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise ConfigError(f"unknown device {device!r}; use e.g. 'cpu', 'cuda:0' or device_map='auto'") from err
+    if dev.type == "meta":
+        raise ConfigError("device 'meta' holds no weights, so it cannot generate; use 'cpu' or 'cuda:N'")
+    if dev.type == "cpu":
+        return
+    backend = getattr(torch, dev.type, None)
+    available = bool(backend is not None and getattr(backend, "is_available", lambda: False)())
+    count = int(getattr(backend, "device_count", lambda: 1)()) if available else 0
+    if not available or (dev.index is not None and dev.index >= count):
+        raise ConfigError(
+            f"device {device!r} does not exist on this machine ({count} {dev.type} device(s) available); "
+            "use 'cpu', an existing device, or device_map='auto'"
+        )
+
+
 def default_dtype(device: str | torch.device | None) -> torch.dtype:
     """float32 on CPU (bf16 matmuls are slow there), bfloat16 on accelerators."""
     return torch.float32 if device is None or torch.device(device).type == "cpu" else torch.bfloat16
@@ -161,6 +186,7 @@ def load_member(
     """Load one member. Never enables remote code unless the caller asked for it."""
     spec = resolve_spec(spec)
     device = spec.device or device or "cpu"
+    check_device(device)
     dtype = spec.dtype or dtype
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -173,6 +199,11 @@ def load_member(
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, device_map=device, trust_remote_code=trust_remote_code
         )
+    except pickle.UnpicklingError as err:  # torch.load(weights_only=True) met more than plain tensors
+        raise ModelLoadError(
+            f"refused to load {spec.path!r}: its pickle checkpoint (.bin) holds objects other than tensors, and "
+            "unpickling them could run code; convert it to safetensors where you trust its source"
+        ) from err
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not load model {spec.path!r}: {err}") from err
     return Member(

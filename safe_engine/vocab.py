@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
+import weakref
 from functools import cached_property
 from itertools import accumulate
 
@@ -25,6 +27,22 @@ from .errors import InputError
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SENTINEL = "\n"  # encoded before a text to absorb a SentencePiece dummy prefix, then dropped
+_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def tokenizer_lock(tokenizer) -> threading.RLock:
+    """The lock every call into `tokenizer` holds.
+
+    A fast tokenizer's `split_special_tokens` is backend state that each call sets before encoding, so two
+    threads encoding with different settings race: one gets `<|im_end|>` as a control token instead of
+    text, or "Already borrowed". Members may share one tokenizer object, hence one lock per tokenizer.
+    """
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(tokenizer)
+        if lock is None:
+            lock = _LOCKS[tokenizer] = threading.RLock()
+        return lock
 
 
 def _is_byte_level(tokenizer) -> bool:
@@ -80,15 +98,16 @@ class Vocab:
 
     def first_id(self, data: bytes) -> int | None:
         """The token this tokenizer would start `data` with (None if it cannot spell it); memoised."""
-        if data not in self._first_ids:
+        found = self._first_ids.get(data, -1)  # one lookup: another thread may clear the memo meanwhile
+        if found == -1:
             if len(self._first_ids) > 200_000:
                 self._first_ids.clear()
             try:
                 ids, _ = self.encode(data)
             except InputError:
                 ids = []
-            self._first_ids[data] = ids[0] if ids else None
-        return self._first_ids[data]
+            found = self._first_ids[data] = ids[0] if ids else None
+        return found
 
     @cached_property
     def fingerprint(self) -> str:
@@ -99,7 +118,8 @@ class Vocab:
         return digest.hexdigest()
 
     def _raw_encode(self, text: str, control_tokens: bool = False) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=not control_tokens)["input_ids"]
+        with tokenizer_lock(self.tokenizer):
+            return self.tokenizer(text, add_special_tokens=False, split_special_tokens=not control_tokens)["input_ids"]
 
     def _bytes_of(self, ids: list[int]) -> bytes:
         return b"".join(self.token_bytes[i] or b"" for i in ids)
@@ -164,9 +184,10 @@ class Vocab:
     def _encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
         """Ids of a text the tokenizer normalises, with byte starts mapped back to the original text."""
         prefix = _SENTINEL if self.adds_dummy_prefix else ""
-        enc = self.tokenizer(
-            prefix + text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
-        )
+        with tokenizer_lock(self.tokenizer):
+            enc = self.tokenizer(
+                prefix + text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
+            )
         ids, spans = list(enc["input_ids"]), list(enc["offset_mapping"])
         skip = len(self._sentinel_ids) if prefix and ids[: len(self._sentinel_ids)] == self._sentinel_ids else 0
         byte_at = [0, *accumulate(len(c.encode()) for c in text)]  # char index -> byte offset
