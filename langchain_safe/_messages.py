@@ -4,15 +4,16 @@ The engine renders one OpenAI-style message list with every member's own chat te
 for templates that support them). This module only translates: LangChain messages in, dicts out; the
 verified text out of the ensemble in, `AIMessage` content + `tool_calls` / `invalid_tool_calls` out.
 
-Tool-call formats understood in the generated text:
+Tool-call formats understood in the generated text (only when tools are bound):
 
 - Qwen2.5 / Hermes: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (any number of them);
-- a bare JSON object ``{"name": ..., "arguments": {...}}`` (or a JSON list of them), optionally inside a
-  Markdown code fence, when that object is the whole reply and names a bound tool; small models often
-  answer like this even though their template asks for tags;
-- when exactly one tool is bound and the caller forces it (`tool_choice`), a bare JSON object of its
-  arguments (what small models tend to produce for `with_structured_output`).
+- a JSON object ``{"name": <a bound tool>, "arguments": {...}}`` (or a JSON list of them, or the OpenAI
+  ``{"type": "function", "function": {...}}`` shape) anywhere in the reply, optionally in a Markdown code
+  fence: small models often write the call untagged, and often inside a sentence;
+- when the caller forces one tool (`tool_choice`), a JSON object of just its arguments (what small
+  models tend to produce for `with_structured_output`).
 
+A call cut off by the token limit is completed by closing its brackets only, never by inventing text.
 A call that cannot be parsed becomes an `invalid_tool_calls` entry, never an exception.
 """
 
@@ -138,41 +139,46 @@ def parse_reply(text: str, tools: Sequence[Mapping[str, Any]] | None, forced: st
     """Split `text` into content and tool calls (only when tools are bound).
 
     `forced` names the single tool the caller requires (tool_choice), enabling the bare-arguments fallback.
+    A call cut off by the token limit is completed only by closing its brackets (never by inventing text);
+    anything else that does not parse is an invalid tool call.
     """
     if not tools:
         return ParsedReply(text)
-    names = {_tool_name(t) for t in tools}
+    calls: list[ToolCall] = []
+    invalid: list[InvalidToolCall] = []
     if TOOL_CALL_OPEN in text:
-        calls: list[ToolCall] = []
-        invalid: list[InvalidToolCall] = []
-        for body in _TOOL_CALL_RE.findall(text):
-            _parse_call(body.strip(), calls, invalid)
-        # Text before the first call is kept as written (it may have streamed already); between and after
-        # calls only text that says something.
-        pieces = _TOOL_CALL_RE.split(text)[::2]
-        content = pieces[0] + "".join(p for p in pieces[1:] if p.strip())
-        return ParsedReply("" if not content.strip() else content, calls, invalid)
-    bare = _bare_json(text)
-    if bare is not None:
-        objs = bare if isinstance(bare, list) else [bare]
-        if objs and all(isinstance(o, dict) and isinstance(o.get("name"), str) and o["name"] in names for o in objs):
-            calls, invalid = [], []
-            for o in objs:
-                _parse_call_obj(o, json.dumps(o, ensure_ascii=False), calls, invalid)
-            return ParsedReply("", calls, invalid)
-        if forced is not None and isinstance(bare, dict) and _looks_like_arguments(bare, _tool_by_name(tools, forced)):
-            return ParsedReply("", [tool_call(name=forced, args=bare, id=new_tool_call_id())])
-    return ParsedReply(text)
+        spans = []
+        for match in _TOOL_CALL_RE.finditer(text):
+            _parse_call(match.group(1).strip(), not match.group(0).endswith(TOOL_CALL_CLOSE), calls, invalid)
+            spans.append((match.start(), match.end()))
+    else:
+        spans = _json_calls(text, tools, forced, calls, invalid)
+    return ParsedReply(_without(text, spans), calls, invalid)
 
 
-def _parse_call(body: str, calls: list[ToolCall], invalid: list[InvalidToolCall]) -> None:
+def _without(text: str, spans: list[tuple[int, int]]) -> str:
+    """Text outside the calls: the text before the first call as written (it may have streamed already),
+    later pieces only when they say something."""
+    if not spans:
+        return text
+    pieces = [text[: spans[0][0]]]
+    pieces += [text[a:b] for (_, a), (b, _) in zip(spans, [*spans[1:], (len(text), 0)])]
+    content = pieces[0] + "".join(p for p in pieces[1:] if p.strip())
+    return content if content.strip() else ""
+
+
+def _parse_call(body: str, truncated: bool, calls: list[ToolCall], invalid: list[InvalidToolCall]) -> None:
+    fenced = _FENCE_RE.match(body)
+    if fenced:
+        body = fenced.group(1).strip()
     try:
         obj = json.loads(body)
     except json.JSONDecodeError as err:
-        invalid.append(
-            invalid_tool_call(name=_guess_name(body), args=body, id=new_tool_call_id(), error=f"invalid JSON: {err}")
-        )
-        return
+        obj = _close_json(body) if truncated else None
+        if obj is None:
+            error = f"invalid JSON: {err}"
+            invalid.append(invalid_tool_call(name=_guess_name(body), args=body, id=new_tool_call_id(), error=error))
+            return
     _parse_call_obj(obj, body, calls, invalid)
 
 
@@ -182,6 +188,8 @@ def _parse_call_obj(obj: Any, raw: str, calls: list[ToolCall], invalid: list[Inv
 
     if not isinstance(obj, dict):
         return bad(f"a tool call must be a JSON object, got {type(obj).__name__}")
+    if isinstance(obj.get("function"), dict):  # OpenAI style {"type": "function", "function": {...}}
+        obj = obj["function"]
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         return bad('a tool call needs a "name" string')
@@ -199,16 +207,109 @@ def _parse_call_obj(obj: Any, raw: str, calls: list[ToolCall], invalid: list[Inv
     return None
 
 
-def _bare_json(text: str) -> Any:
-    """The reply as one JSON value when it is nothing but that (code fences allowed), else None."""
-    stripped = text.strip()
-    fenced = _FENCE_RE.match(stripped)
-    if fenced:
-        stripped = fenced.group(1).strip()
-    if not stripped.startswith(("{", "[")):
+_JSON_START_RE = re.compile(r"[{\[]")
+_CALL_START_RE = re.compile(r'\{\s*"name"\s*:\s*"([^"]*)"')
+_FENCE_OPEN_BEFORE_RE = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n?[ \t]*$")
+_FENCE_CLOSE_AFTER_RE = re.compile(r"[ \t]*\n?[ \t]*```")
+_CALL_KEYS = frozenset({"name", "arguments", "parameters", "id", "type"})
+
+
+def _json_calls(
+    text: str, tools: Sequence[Mapping[str, Any]], forced: str | None, calls: list, invalid: list
+) -> list[tuple[int, int]]:
+    """Tool calls written as JSON without tags, anywhere in the reply; returns their spans."""
+    names = {_tool_name(t) for t in tools}
+    forced_tool = _tool_by_name(tools, forced) if forced else None
+    decoder = json.JSONDecoder()
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    while match := _JSON_START_RE.search(text, pos):
+        start = match.start()
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError as err:
+            attempt = _CALL_START_RE.match(text, start)
+            if not attempt or attempt.group(1) not in names:
+                pos = start + 1
+                continue
+            # A call that does not parse: cut off by the token limit (closing brackets fix it) or malformed.
+            obj, end = _close_json(text[start:]), len(text)
+            if obj is None:
+                raw = text[start:]
+                invalid.append(
+                    invalid_tool_call(
+                        name=attempt.group(1), args=raw, id=new_tool_call_id(), error=f"invalid JSON: {err}"
+                    )
+                )
+                spans.append(_with_fence(text, start, len(text)))
+                break
+        found = _as_calls(obj, names, forced, forced_tool)
+        if found is None:
+            pos = start + 1
+            continue
+        for item in found:
+            _parse_call_obj(item, json.dumps(item, ensure_ascii=False), calls, invalid)
+        spans.append(_with_fence(text, start, end))
+        pos = end
+    return spans
+
+
+def _as_calls(obj: Any, names: set[str], forced: str | None, forced_tool: Any) -> list[dict] | None:
+    """The tool calls a JSON value stands for, or None when it is just data."""
+
+    def is_call(o: Any) -> bool:
+        if not isinstance(o, dict):
+            return False
+        if isinstance(o.get("function"), dict) and o.get("type", "function") == "function":
+            o = o["function"]
+        return isinstance(o.get("name"), str) and o["name"] in names and set(o) <= _CALL_KEYS
+
+    if is_call(obj):
+        return [obj]
+    if isinstance(obj, list) and obj and all(is_call(o) for o in obj):
+        return list(obj)
+    if forced is not None and isinstance(obj, dict) and _looks_like_arguments(obj, forced_tool):
+        return [{"name": forced, "arguments": obj}]
+    return None
+
+
+def _with_fence(text: str, start: int, end: int) -> tuple[int, int]:
+    """Widen a span to the Markdown code fence around it, if any."""
+    before = _FENCE_OPEN_BEFORE_RE.search(text, 0, start)
+    after = _FENCE_CLOSE_AFTER_RE.match(text, end)
+    if before and before.end() == start and after:
+        return before.start(), after.end()
+    return start, end
+
+
+def _close_json(text: str) -> Any:
+    """Parse JSON that was cut off: close its open brackets, never inventing other text. None if that fails."""
+    stack: list[str] = []
+    in_string = escaped = False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            stack.append("}" if ch == "{" else "]")
+        elif ch in "}]":
+            if not stack or stack.pop() != ch:
+                return None
+            if not stack and text[i + 1 :].strip():
+                return None  # it closed before the end: malformed, not truncated
+    if in_string or not stack:
         return None
+    body = text.rstrip()
+    if body.endswith(","):
+        body = body[:-1]
     try:
-        return json.loads(stripped)
+        return json.loads(body + "".join(reversed(stack)))
     except json.JSONDecodeError:
         return None
 
@@ -237,13 +338,16 @@ def _looks_like_arguments(obj: dict, tool: Mapping[str, Any] | None) -> bool:
 
 
 # -- streaming -------------------------------------------------------------------------------------------
+_HOLD_MARKERS = (TOOL_CALL_OPEN, "{", "```")
+
+
 class ContentStream:
     """Decides how much of the verified text can be streamed as content while tools are bound.
 
-    Text before a tool call streams as it is verified; from ``<tool_call>`` on (or from the start, when the
-    reply opens like a bare JSON object or a code fence) it is held back until the reply is complete and
-    parsed. Whitespace-only text is held back too, so the streamed content is always a prefix of the final
-    content (a reply that is only a tool call has content "").
+    Text before anything that may be a tool call (``<tool_call>``, a JSON object, a code fence) streams as
+    it is verified; from there on it is held back until the reply is complete and parsed. Whitespace-only
+    text is held back too, so the streamed content is always a prefix of the final content (a reply that
+    is only a tool call has content "").
     """
 
     def __init__(self, tools: Sequence[Mapping[str, Any]] | None, forced: str | None = None) -> None:
@@ -277,13 +381,14 @@ class ContentStream:
 
     def _safe_prefix(self) -> str:
         text = self.text
-        if text.lstrip().startswith(("{", "[", "`")):
+        if text.lstrip().startswith("["):
             return ""
-        cut = text.find(TOOL_CALL_OPEN)
-        if cut >= 0:
-            return text[:cut]
-        # Hold back a tail that could be the start of "<tool_call>".
+        cuts = [i for i in (text.find(m) for m in _HOLD_MARKERS) if i >= 0]
+        if cuts:
+            return text[: min(cuts)]
+        # Hold back a tail that could be the start of a marker.
         for k in range(min(len(TOOL_CALL_OPEN) - 1, len(text)), 0, -1):
-            if TOOL_CALL_OPEN.startswith(text[-k:]):
+            tail = text[-k:]
+            if any(m.startswith(tail) for m in _HOLD_MARKERS):
                 return text[:-k]
         return text

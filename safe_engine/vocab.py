@@ -98,16 +98,17 @@ class Vocab:
 
     def first_id(self, data: bytes) -> int | None:
         """The token this tokenizer would start `data` with (None if it cannot spell it); memoised."""
-        found = self._first_ids.get(data, -1)  # one lookup: another thread may clear the memo meanwhile
-        if found == -1:
-            if len(self._first_ids) > 200_000:
-                self._first_ids.clear()
-            try:
-                ids, _ = self.encode(data)
-            except InputError:
-                ids = []
-            found = self._first_ids[data] = ids[0] if ids else None
-        return found
+        if data in self._first_ids:
+            return self._first_ids[data]
+        try:
+            ids, _ = self.encode(data)
+        except InputError:
+            ids = []
+        first = ids[0] if ids else None
+        if len(self._first_ids) > 200_000:  # bounded: candidate strings of a long-lived service
+            self._first_ids = {}
+        self._first_ids[data] = first
+        return first
 
     @cached_property
     def fingerprint(self) -> str:

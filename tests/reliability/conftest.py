@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from safe_engine import Ensemble, GenerationResult, Member
 from safe_engine.decoding import Generation
@@ -31,10 +31,17 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def small_window_member(name: str = "gpt2", seed: int = 11, window: int = 64) -> Member:
-    """A tiny random model over a real tokenizer whose context window is only `window` tokens."""
+def small_window_member(name: str = "gpt2", seed: int = 11, window: int = 64, learned_positions: bool = False) -> Member:
+    """A tiny random model over a real tokenizer whose context window is only `window` tokens.
+
+    `learned_positions` builds a GPT-2 (absolute position embeddings: running past the window is an
+    IndexError, not silent garbage as with rotary Llama)."""
     tok = tokenizer(name)
     torch.manual_seed(seed)
+    if learned_positions:
+        gpt2 = GPT2Config(vocab_size=len(tok), n_positions=window, n_embd=32, n_layer=2, n_head=4,
+                          initializer_range=0.6, eos_token_id=tok.eos_token_id)
+        return Member(GPT2LMHeadModel(gpt2).eval(), tok, name=f"{name}-abs{window}")
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=32,
@@ -114,3 +121,27 @@ def live_caches() -> int:
 
     gc.collect()
     return sum(1 for o in gc.get_objects() if isinstance(o, DynamicCache))
+
+
+def script(member: Member, monkeypatch: pytest.MonkeyPatch, token_ids: list[int]) -> Member:
+    """Make `member` (as drafter) emit `token_ids` in order, then its EOS: its real forward still runs (so
+    its cache is real), only the logits of the last row are replaced by a one-hot choice."""
+    import weakref
+
+    original = member.forward
+    prompt_len: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    eos = min(member.eos_ids)
+
+    def forward(ids, cache, keep=1):
+        before = cache.get_seq_length()
+        logits = original(ids, cache, keep)
+        if before == 0:
+            prompt_len[cache] = len(ids)
+        k = before + len(ids) - prompt_len.get(cache, 0)
+        logits = logits.clone()
+        logits[-1] = -1e4
+        logits[-1, token_ids[k] if k < len(token_ids) else eos] = 1e4
+        return logits
+
+    monkeypatch.setattr(member, "forward", forward)
+    return member

@@ -441,7 +441,26 @@ def _multiply_schema():
             [("add", {"a": 1, "b": 2}), ("multiply", {"a": 3, "b": 4})],
         ),
         ('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}', "", [("multiply", {"a": 2, "b": 3})]),
+        (
+            'The value of multiply(2, 3) is {"name": "multiply", "arguments": {"a": 2, "b": 3}}.',
+            "The value of multiply(2, 3) is .",
+            [("multiply", {"a": 2, "b": 3})],
+        ),
+        (
+            'Here:\n```json\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n```\nDone.',
+            "Here:\n\nDone.",
+            [("multiply", {"a": 2, "b": 3})],
+        ),
+        (
+            '{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}',
+            "",
+            [("add", {"a": 1, "b": 2})],
+        ),
+        # cut off by the token limit: closing the brackets completes it
+        ('{"name": "multiply", "arguments": {"a": 2, "b": 3}', "", [("multiply", {"a": 2, "b": 3})]),
+        ('<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3},', "", [("multiply", {"a": 2, "b": 3})]),
         ('{"name": "unknown_tool", "arguments": {}}', '{"name": "unknown_tool", "arguments": {}}', []),
+        ('Data: {"name": "multiply", "colour": "red"}', 'Data: {"name": "multiply", "colour": "red"}', []),
         ("The answer is {a: 1}.", "The answer is {a: 1}.", []),
     ],
 )
@@ -467,10 +486,15 @@ def test_parse_reply_without_tools_is_plain_text():
         ('<tool_call>{"name": "multiply", "arguments": [1, 2]}</tool_call>', "multiply", "JSON object"),
         ('<tool_call>{"name": "multiply", "arguments": "{oops"}</tool_call>', "multiply", "not valid JSON"),
         ('<tool_call>["multiply"]</tool_call>', None, "JSON object"),
+        ('{"name": "multiply", "arguments": {"a": "tw', "multiply", "invalid JSON"),  # cut inside a string
+        ('{"name": "multiply", "arguments": {"a": 2}} }', None, None),  # extra brace after a valid call
     ],
 )
 def test_malformed_tool_calls_become_invalid_tool_calls(text, name, error):
     parsed = parse_reply(text, _multiply_schema())
+    if error is None:  # the call parses; the stray brace stays as text
+        assert [c["name"] for c in parsed.tool_calls] == ["multiply"] and parsed.content == " }"
+        return
     assert parsed.tool_calls == [] and parsed.content == ""
     (bad,) = parsed.invalid_tool_calls
     assert bad["name"] == name and error in bad["error"] and bad["args"]
@@ -493,13 +517,16 @@ def test_forced_single_tool_accepts_bare_arguments():
         '{"name": "multiply", "arguments": {"a": 2, "b": 3}}',
         "Text with a < sign and <tool_c but no call",
         "<tool_call>{broken</tool_call> trailing words",
+        'The value is {"name": "multiply", "arguments": {"a": 2, "b": 3}}. Done.',
+        'Code:\n```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```',
+        "Braces {like this} in prose",
     ],
 )
 def test_content_stream_is_a_prefix_of_the_final_content(text):
     for step in (1, 3, 7):
         stream = ContentStream(_multiply_schema())
         out = "".join(stream.feed(text[i : i + step]) for i in range(0, len(text), step))
-        assert "<tool_call" not in out and not out.lstrip().startswith("{")
+        assert "<tool_call" not in out and "{" not in out and "`" not in out
         tail, parsed = stream.finish()
         assert out + tail == parsed.content == parse_reply(text, _multiply_schema()).content
 
