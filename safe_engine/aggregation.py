@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .members import Member
+from .rows import Row
 
 EOS = b""  # candidate string that ends the generation
 GAC_CANDIDATES = 64  # union entries kept after GaC aggregation (for sharpening and sampling)
@@ -41,36 +42,36 @@ def token_string(member: Member, token_id: int) -> bytes | None:
     return member.token_bytes[token_id] or None
 
 
-def string_token(member: Member, logprobs: torch.Tensor, s: bytes) -> int | None:
+def string_token(member: Member, row: Row, s: bytes) -> int | None:
     """The member's token for candidate s: its single token if it has one, else the first token it
     would spell s with; for EOS, its most likely end token. None if it cannot spell s."""
     if s == EOS:
-        return max((i for i in member.eos_ids if i < logprobs.shape[0]), key=lambda i: float(logprobs[i]), default=None)
+        eos = [i for i in member.eos_ids if i < member.vocab_size]
+        return eos[int(torch.argmax(row.logprob(eos)))] if eos else None
     tid = member.vocab.id_of_bytes.get(s)
     if tid is None:
         tid = member.vocab.first_id(s)
-    return tid if tid is not None and tid < logprobs.shape[0] else None
+    return tid if tid is not None and tid < member.vocab_size else None
 
 
-def top_strings(member: Member, logprobs: torch.Tensor, k: int) -> list[bytes]:
+def top_strings(member: Member, row: Row, k: int) -> list[bytes]:
     """The member's k most likely tokens as candidate strings (control tokens other than EOS dropped)."""
-    ids = torch.topk(logprobs, min(k, logprobs.shape[0])).indices.tolist()
-    return [s for s in (token_string(member, i) for i in ids) if s is not None]
+    return [s for s in (token_string(member, i) for i in row.top(k)) if s is not None]
 
 
-def _member_matrix(members: Sequence[Member], rows: Sequence[torch.Tensor], strings: list[bytes]) -> torch.Tensor:
+def _member_matrix(members: Sequence[Member], rows: Sequence[Row], strings: list[bytes]) -> torch.Tensor:
     """[M, C] log-probability each member gives each candidate string (-inf where it cannot spell it)."""
     out = torch.full((len(members), len(strings)), float("-inf"))
     for r, (member, row) in enumerate(zip(members, rows)):
         pairs = [(c, t) for c, s in enumerate(strings) if (t := string_token(member, row, s)) is not None]
         if pairs:
             cols, ids = zip(*pairs)
-            out[r, list(cols)] = row[list(ids)]
+            out[r, list(cols)] = row.logprob(ids)
     return out
 
 
 def unite(
-    members: Sequence[Member], rows: Sequence[torch.Tensor], weights: torch.Tensor, top_k: int, extra: bytes | None
+    members: Sequence[Member], rows: Sequence[Row], weights: torch.Tensor, top_k: int, extra: bytes | None
 ) -> Distribution:
     """UniTE: average of each member's distribution renormalised over the union of top-k strings."""
     strings = list(dict.fromkeys(s for m, row in zip(members, rows) for s in top_strings(m, row, top_k)))
@@ -102,12 +103,13 @@ class UnionVocab:
         self.maps = {key: torch.where(t < 0, trash, t) for key, t in maps.items()}
 
     def gac(
-        self, members: Sequence[Member], rows: Sequence[torch.Tensor], weights: torch.Tensor, extra: bytes | None
+        self, members: Sequence[Member], rows: Sequence[Row], weights: torch.Tensor, extra: bytes | None
     ) -> Distribution:
         """GaC: weighted sum of full distributions mapped into the union; keep the best candidates."""
         total = torch.zeros(len(self.strings) + 1)
         for w, member, row in zip(weights.tolist(), members, rows):
-            total.index_add_(0, self.maps[id(member)][: row.shape[0]], row.exp() * w)
+            values = row.full()  # GaC needs every member's whole distribution
+            total.index_add_(0, self.maps[id(member)][: values.shape[0]], values.exp() * w)
         probs = total[:-1]
         top = torch.topk(probs, min(GAC_CANDIDATES, probs.shape[0])).indices.tolist()
         strings = [self.strings[i] for i in top]

@@ -25,7 +25,8 @@ import torch
 from .aggregation import EOS, Distribution, UnionVocab, sharpen, token_string, top_strings, unite
 from .config import GenerationConfig
 from .errors import InputError
-from .members import Member, crop_cache
+from .members import Member
+from .rows import Row
 from .stats import EnsembleStats
 from .vocab import token_starts
 
@@ -42,25 +43,26 @@ class Track:
         self.cached = 0  # leading ids whose keys/values are in the cache
         self.passes = 0
 
-    def run(self, rows_from: int | None = None) -> tuple[torch.Tensor, int]:
-        """Feed the ids the cache lacks; logits of positions `rows_from`.. (default: the last one).
+    def run(self, config: GenerationConfig, rows_from: int | None = None) -> tuple[list[Row], int]:
+        """Feed the ids the cache lacks; distributions after positions `rows_from`.. (default: the last).
 
         The cache is cropped to `rows_from` first when those positions were cached already.
         """
         last = len(self.ids) - 1
         rows_from = last if rows_from is None else max(0, min(rows_from, last))
         start = min(rows_from, self.cached)
-        crop_cache(self.cache, start)
-        logits = self.member.forward(self.ids[start:], self.cache, keep=len(self.ids) - rows_from)
+        rows = self.member.score(self.cache, start, self.ids[start:], len(self.ids) - rows_from, config)
         self.cached = len(self.ids)
         self.passes += 1
-        return logits.cpu(), rows_from
+        return rows, rows_from
 
 
 class Verification:
     """A verifier's view of the drafted text: where its tokens start, and its distribution before each."""
 
-    def __init__(self, track: Track, text: bytes, first_offset: int, drafter_ids: list[int] | None) -> None:
+    def __init__(
+        self, track: Track, text: bytes, first_offset: int, drafter_ids: list[int] | None, config: GenerationConfig
+    ) -> None:
         if drafter_ids is not None:  # same vocabulary as the drafter: score the drafter's own tokens
             ids = drafter_ids
             starts = token_starts(track.member.vocab, ids)
@@ -73,11 +75,11 @@ class Verification:
         self.member = track.member
         self.too_long = member_full(track)
         if self.too_long:  # scoring would run the model past its window (IndexError for learned positions)
-            self.logits, self.at = torch.empty(0), {}
+            self.rows, self.at = [], {}
             return
         k_first = bisect_left(starts, first_offset)
-        self.logits, first_row = track.run(track.prompt_len + k_first - 1)
-        # text offset -> (row of logits predicting the token that starts there, that token or None at end)
+        self.rows, first_row = track.run(config, track.prompt_len + k_first - 1)
+        # text offset -> (index of the row predicting the token that starts there, that token or None at end)
         self.at: dict[int, tuple[int, int | None]] = {}
         for k in range(k_first, len(ids) + 1):
             offset = starts[k] if k < len(ids) else len(text)
@@ -96,19 +98,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def _logprobs(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
-    """Log-probabilities as the config sees them: temperature and top-p apply to every member alike."""
-    if not config.do_sample:
-        return torch.log_softmax(logits, dim=-1)
-    logprobs = torch.log_softmax(logits / config.temperature, dim=-1)
-    if config.top_p < 1.0:
-        sorted_lp, order = torch.sort(logprobs, descending=True)
-        outside = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp() >= config.top_p
-        logprobs = logprobs.index_fill(0, order[outside], float("-inf"))
-        logprobs = torch.log_softmax(logprobs, dim=-1)
-    return logprobs
 
 
 class Generation:
@@ -193,15 +182,14 @@ class Generation:
         self.stats.rounds += 1
         return self.finish_reason is not None
 
-    def _draft(self, n: int) -> tuple[list[int], list[torch.Tensor], bytes]:
+    def _draft(self, n: int) -> tuple[list[int], list[Row], bytes]:
         drafter = self.drafter
         ids: list[int] = []
-        rows: list[torch.Tensor] = []
+        rows: list[Row] = []
         text = bytearray()
         for _ in range(n):
-            logits, _ = drafter.run()
-            row = _logprobs(logits[-1], self.config)
-            tok = self._pick_token(row)
+            row = drafter.run(self.config)[0][-1]
+            tok = row.sample(self.generator) if self.config.do_sample else row.argmax()
             drafter.ids.append(tok)
             ids.append(tok)
             rows.append(row)
@@ -213,24 +201,22 @@ class Generation:
                 break
         return ids, rows, bytes(text)
 
-    def _pick_token(self, row: torch.Tensor) -> int:
-        if not self.config.do_sample:
-            return int(torch.argmax(row))
-        return int(torch.multinomial(row.exp(), 1, generator=self.generator))
-
     def _verify(self, text: bytes, start: int) -> list[Verification]:
         drafter = self.drafter
         generated = drafter.ids[drafter.prompt_len :]
         if generated and not token_string(drafter.member, generated[-1]):
             generated = generated[:-1]  # a final control token has no text to score
         own = drafter.member.vocab.fingerprint
-        jobs = [(t, text, start, generated if t.member.vocab.fingerprint == own else None) for t in self.verifiers]
+        jobs = [
+            (t, text, start, generated if t.member.vocab.fingerprint == own else None, self.config)
+            for t in self.verifiers
+        ]
         if self.executor is not None and len(jobs) > 1:
             return [f.result() for f in [self.executor.submit(Verification, *job) for job in jobs]]
         return [Verification(*job) for job in jobs]
 
     def _scan(
-        self, draft_ids: list[int], draft_rows: list[torch.Tensor], checks: list[Verification], start: int
+        self, draft_ids: list[int], draft_rows: list[Row], checks: list[Verification], start: int
     ) -> tuple[int, bytes | None]:
         """Index of the first drafted token not accepted, and the ensemble's string for it (or None)."""
         offset = start
@@ -240,7 +226,7 @@ class Generation:
             offset += len(token_string(drafter, tok) or b"")
             if not all(here in c.at for c in checks):
                 continue  # boundary gate: some tokenizer splits the text inside this token
-            rows = [row] + [_logprobs(c.logits[c.at[here][0]], self.config) for c in checks]
+            rows = [row] + [c.rows[c.at[here][0]] for c in checks]
             if self.method == "safe" and self._consensus(tok, rows, checks, here):
                 continue
             choice = self._ensemble(tok, rows)
@@ -251,21 +237,20 @@ class Generation:
                 return j, choice
         return len(draft_ids), None
 
-    def _consensus(self, tok: int, rows: list[torch.Tensor], checks: list[Verification], offset: int) -> bool:
+    def _consensus(self, tok: int, rows: list[Row], checks: list[Verification], offset: int) -> bool:
         """True when the drafter's token would win the ensemble anyway (paper's conditions a and b)."""
-        probs = [float(rows[0][tok].exp())]
+        probs = [float(rows[0].logprob([tok]).exp())]
         unanimous = True
         for c, row in zip(checks, rows[1:]):
             own = c.at[offset][1]
-            own_ids = list(c.member.eos_ids) if own is None else [own]
-            own_ids = [i for i in own_ids if i < row.shape[0]]
-            probs.append(max(float(row[i].exp()) for i in own_ids) if own_ids else 0.0)
-            unanimous &= int(torch.argmax(row)) in own_ids
+            own_ids = [i for i in c.member.eos_ids if i < c.member.vocab_size] if own is None else [own]
+            probs.append(float(row.logprob(own_ids).exp().max()) if own_ids else 0.0)
+            unanimous &= row.argmax() in own_ids
         if unanimous and not self.config.do_sample:
             return True
         return float(self.weights @ torch.tensor(probs)) > 0.5
 
-    def _ensemble(self, tok: int, rows: list[torch.Tensor]) -> bytes | None:
+    def _ensemble(self, tok: int, rows: list[Row]) -> bytes | None:
         """The ensemble's string at this position; None when sampling keeps the drafter's token."""
         cfg = self.config
         members = [t.member for t in self.tracks]
@@ -354,7 +339,9 @@ class Generation:
 
     def _release(self) -> None:
         for track in self.tracks:
-            track.cache = None
+            if track.cache is not None:
+                track.member.release(track.cache)
+                track.cache = None
 
     def visible_text(self) -> str:
         """Text that no later round can change: all of it once finished, else minus a possible stop prefix."""

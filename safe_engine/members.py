@@ -16,7 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from . import demo_models
+from .config import GenerationConfig
 from .errors import ConfigError, InputTypeError, ModelLoadError
+from .rows import LocalRow, Row, next_token_logprobs
 from .vocab import Vocab, tokenizer_lock
 
 
@@ -79,6 +81,17 @@ class Member:
         if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
             cache.activate_past_recording()
         return cache
+
+    def score(self, cache: DynamicCache, start: int, ids: list[int], keep: int, config: GenerationConfig) -> list[Row]:
+        """Crop the cache to `start` positions, append `ids`, and return the next-token distributions
+        after each of the last `keep` positions. (A remote member implements the same call.)"""
+        crop_cache(cache, start)
+        logits = self.forward(ids, cache, keep).cpu()
+        logprobs = next_token_logprobs(logits, config.do_sample, config.temperature, config.top_p)
+        return [LocalRow(row) for row in logprobs]
+
+    def release(self, cache: DynamicCache) -> None:
+        """Forget a request's cache (local caches are simply garbage collected)."""
 
     @torch.inference_mode()
     def forward(self, ids: list[int], cache: DynamicCache, keep: int = 1) -> torch.Tensor:
