@@ -66,6 +66,9 @@ def _options(args: argparse.Namespace) -> dict:
 
 
 def _load(args: argparse.Namespace) -> Ensemble:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one "loaded" line instead of a bar per weight file
     started = time.perf_counter()
     ens = Ensemble.from_pretrained(
         args.models, drafter=args.drafter, weights=args.weights, device_map=args.device, dtype=args.dtype
