@@ -8,6 +8,12 @@ system message). The agent calls the `multiply` tool, reads the result and answe
 weak at mental arithmetic but reliable at calling a tool when asked to, which is the point of the demo.
 The demo models are fetched and converted into ~/.cache/safe-engine on first use.
 
+One accommodation for 0.5B models: shown a conversation that already holds its own tool call and the
+tool's response, Qwen2.5-Coder-0.5B calls the tool again instead of answering (measured: every system
+prompt and phrasing we tried). The `answer_from_tool_results` middleware therefore asks for the final
+answer as one plain question that quotes the tool results, without tools. Larger members do not need
+it: drop the middleware and the standard ReAct loop runs unchanged.
+
 Prints every tool call, every tool result, the final answer and the ensemble statistics per model call.
 Needs: pip install "langchain-safe[langchain,gguf]" langchain
 """
@@ -19,7 +25,8 @@ import time
 
 import transformers
 from langchain.agents import create_agent
-from langchain_core.messages import AIMessage, ToolMessage
+from langchain.agents.middleware import wrap_model_call
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 
 from langchain_safe import ChatSafe
@@ -41,6 +48,18 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+@wrap_model_call
+def answer_from_tool_results(request, handler):
+    """Once tools have answered, ask for the final answer as a plain question quoting their results."""
+    results = [m for m in request.messages if isinstance(m, ToolMessage)]
+    if not results:
+        return handler(request)
+    question = next(m.text for m in request.messages if isinstance(m, HumanMessage))
+    facts = "\n".join(f"The {m.name} tool returned: {m.text}" for m in results)
+    prompt = HumanMessage(f"Question: {question}\n{facts}\nAnswer the question in one sentence.")
+    return handler(request.override(messages=[prompt], tools=[], system_message=None))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("question", nargs="?", default=QUESTION)
@@ -50,7 +69,7 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     began = time.perf_counter()
     chat = ChatSafe(models=MODELS, max_tokens=args.max_new_tokens)
-    agent = create_agent(chat, tools=[multiply, add], system_prompt=SYSTEM)
+    agent = create_agent(chat, tools=[multiply, add], system_prompt=SYSTEM, middleware=[answer_from_tool_results])
 
     print(f"Question: {args.question}", flush=True)
     final: AIMessage | None = None

@@ -308,11 +308,11 @@ class Generation:
             elif self.stats.tokens >= self.config.max_new_tokens or member_full(drafter):
                 self._finish("length")
 
-    def _append(self, data: bytes) -> None:
+    def _append(self, data: bytes, final: bool = False) -> None:
         """Add accepted bytes; finish with "stop" as soon as a stop string appears in the text."""
         self.data += data
         before = len(self.text)
-        self.text += self._decoder.decode(data)
+        self.text += self._decoder.decode(data, final=final)
         longest = max((len(s) for s in self.config.stop), default=0)
         window_start = max(0, before - longest + 1)
         hits = [i for s in self.config.stop if (i := self.text.find(s, window_start)) >= 0]
@@ -322,7 +322,9 @@ class Generation:
 
     def _finish(self, reason: str) -> bool:
         if reason != "stop":
-            self.text += self._decoder.decode(b"", final=True)
+            self._append(b"", final=True)  # a cut character becomes U+FFFD, which may complete a stop string
+            if self.finish_reason == "stop":
+                return True
         self.finish_reason = reason
         self.stats.wall_time_s = time.perf_counter() - self._started
         self.stats.forward_passes = {t.name: t.passes for t in self.tracks}

@@ -56,17 +56,56 @@ class Ensemble:
         device_map: str | Sequence[str | None] | None = None,
         dtype: str | torch.dtype | None = None,
         trust_remote_code: bool = False,
+        backend: str | Sequence[str] = "local",
+        ray_address: str | None = None,
+        member_resources: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+        member_timeout_s: float | None = None,
     ) -> Ensemble:
-        """Load members from hub ids, directories, .gguf files, demo names or ModelSpecs."""
+        """Load members from hub ids, directories, .gguf files, demo names or ModelSpecs.
+
+        backend="ray" (or a list with one "local"/"ray" per member) loads members in Ray actors on the
+        cluster at `ray_address` ("auto", "ray://host:10001"; None: the current or a new local one), with
+        `member_resources` per actor (a dict for all, or a list per member, e.g. {"num_gpus": 1}) and
+        `member_timeout_s` per actor call (default 120 s). See docs/ray.md.
+        """
         if isinstance(specs, str | ModelSpec) or not isinstance(specs, Sequence) or not specs:
             raise InputTypeError("specs must be a non-empty list of model specs, e.g. ['smollm2-135m', 'gemma3-270m']")
+        from .ray_backend import resolve_backends, start_ray_members
+
+        backends = resolve_backends(backend, len(specs))
         devices = _devices(device_map, len(specs))
-        for dev in devices:  # all of them before loading any member
-            check_device(dev)
-        members = [
-            load_member(spec, device=dev, dtype=dtype, trust_remote_code=trust_remote_code)
-            for spec, dev in zip(specs, devices)
-        ]
+        for dev, where in zip(devices, backends):  # all of them before loading any member
+            if where == "local":  # a Ray member's device is checked on its own node
+                check_device(dev)
+        remote = [i for i, where in enumerate(backends) if where == "ray"]
+        pending = None
+        if remote:  # the actors load while the local members load here
+            resources = member_resources
+            if isinstance(member_resources, Sequence) and not isinstance(member_resources, str | dict):
+                if len(member_resources) != len(specs):
+                    raise ConfigError(f"member_resources lists {len(member_resources)} dicts for {len(specs)} members")
+                resources = [member_resources[i] for i in remote]
+            pending = start_ray_members(
+                [specs[i] for i in remote],
+                devices=[None if device_map == "auto" else devices[i] for i in remote],
+                dtype=dtype,
+                trust_remote_code=trust_remote_code,
+                member_resources=resources,
+                ray_address=ray_address,
+                member_timeout_s=member_timeout_s,
+            )
+        try:
+            members: list[Member | None] = [None] * len(specs)
+            for i, (spec, dev, where) in enumerate(zip(specs, devices, backends)):
+                if where == "local":
+                    members[i] = load_member(spec, device=dev, dtype=dtype, trust_remote_code=trust_remote_code)
+            if pending is not None:
+                for i, member in zip(remote, pending.wait(trust_remote_code)):
+                    members[i] = member
+        except BaseException:
+            if pending is not None:
+                pending.cancel()
+            raise
         return cls(members, drafter=drafter, weights=weights)
 
     @property
@@ -126,6 +165,12 @@ class Ensemble:
         if config is not None and not isinstance(config, GenerationConfig):
             raise InputTypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
         config = (config or GenerationConfig()).updated(**options) if options else (config or GenerationConfig())
+        gac = config.aggregation == "gac" and config.method != "single" and len(self.members) > 1
+        if gac and any(getattr(m, "is_remote", False) for m in self.members):
+            raise ConfigError(
+                "aggregation='gac' needs every member's full next-token distribution, which never leaves a Ray "
+                "actor (GaC is local-only); use aggregation='unite' with Ray members"
+            )
         prompts = self._prompt_ids(prompt, messages, tools, config)
         union = self._union_vocab() if config.aggregation == "gac" and config.method != "single" else None
         return Generation(

@@ -48,21 +48,40 @@ class Member:
         if not callable(tokenizer) or not hasattr(tokenizer, "convert_ids_to_tokens"):
             raise InputTypeError(f"Member expects a transformers tokenizer, got {type(tokenizer).__name__}")
         self.model = model.eval()
+        self._setup_tokenizer_side(
+            tokenizer,
+            name or getattr(model.config, "_name_or_path", None) or type(model).__name__,
+            chat_template,
+            _eos_ids(model, tokenizer),
+            model.get_output_embeddings().weight.shape[0],
+            _context_window(model.config),
+        )
+        self.device = next(model.parameters()).device
+
+    def _setup_tokenizer_side(
+        self,
+        tokenizer: Any,
+        name: str,
+        chat_template: str | None,
+        eos_ids: frozenset[int],
+        vocab_size: int,
+        context_window: int | None,
+    ) -> None:
+        """Everything the decoder reads besides the model (shared with members that live elsewhere)."""
         self.tokenizer = tokenizer
-        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        self.name = name
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self.vocab = Vocab(tokenizer)
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids
         if not self.eos_ids:
             raise ConfigError(
                 f"member {self.name!r}: its tokenizer has no EOS token, so generation could never end "
                 "naturally; set tokenizer.eos_token (or model.generation_config.eos_token_id)"
             )
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = vocab_size
         # Ids the model can emit but the tokenizer does not define have no text.
         self.token_bytes = self.vocab.token_bytes + [None] * max(0, self.vocab_size - self.vocab.size)
-        self.context_window = _context_window(model.config)
-        self.device = next(model.parameters()).device
+        self.context_window = context_window
 
     def __repr__(self) -> str:
         return f"Member({self.name!r}, vocab={self.vocab_size}, device={self.device})"

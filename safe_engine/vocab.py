@@ -98,8 +98,9 @@ class Vocab:
 
     def first_id(self, data: bytes) -> int | None:
         """The token this tokenizer would start `data` with (None if it cannot spell it); memoised."""
-        if data in self._first_ids:
-            return self._first_ids[data]
+        memo = self._first_ids  # read once: another thread may swap in a fresh dict between check and read
+        if data in memo:
+            return memo[data]
         try:
             ids, _ = self.encode(data)
         except InputError:

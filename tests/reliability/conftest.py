@@ -23,7 +23,7 @@ SIMPLE_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{
 FINISH_REASONS = {"eos", "length", "stop"}
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="package", autouse=True)  # package: before any module-scoped fixture runs
 def _one_torch_thread() -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -31,7 +31,9 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def small_window_member(name: str = "gpt2", seed: int = 11, window: int = 64, learned_positions: bool = False) -> Member:
+def small_window_member(
+    name: str = "gpt2", seed: int = 11, window: int = 64, learned_positions: bool = False
+) -> Member:
     """A tiny random model over a real tokenizer whose context window is only `window` tokens.
 
     `learned_positions` builds a GPT-2 (absolute position embeddings: running past the window is an
@@ -39,8 +41,15 @@ def small_window_member(name: str = "gpt2", seed: int = 11, window: int = 64, le
     tok = tokenizer(name)
     torch.manual_seed(seed)
     if learned_positions:
-        gpt2 = GPT2Config(vocab_size=len(tok), n_positions=window, n_embd=32, n_layer=2, n_head=4,
-                          initializer_range=0.6, eos_token_id=tok.eos_token_id)
+        gpt2 = GPT2Config(
+            vocab_size=len(tok),
+            n_positions=window,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            initializer_range=0.6,
+            eos_token_id=tok.eos_token_id,
+        )
         return Member(GPT2LMHeadModel(gpt2).eval(), tok, name=f"{name}-abs{window}")
     config = LlamaConfig(
         vocab_size=len(tok),
@@ -57,13 +66,13 @@ def small_window_member(name: str = "gpt2", seed: int = 11, window: int = 64, le
     return Member(LlamaForCausalLM(config).eval(), tok, name=f"{name}-ctx{window}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ens3() -> Ensemble:
     """Byte-level BPE (Qwen) drafter, SentencePiece (Llama-2) and GPT-2 verifiers."""
     return Ensemble([tiny_member("qwen2.5-7b-instruct", 1), tiny_member("llama2", 2), tiny_member("gpt2", 3)])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ens2() -> Ensemble:
     """Two small vocabularies (GPT-2 drafter, Llama-2 verifier): the cheapest cross-tokenizer ensemble."""
     return Ensemble([tiny_member("gpt2", 1), tiny_member("llama2", 2)])
@@ -120,7 +129,7 @@ def live_caches() -> int:
     from transformers import DynamicCache
 
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, DynamicCache))
+    return sum(1 for o in gc.get_objects() if type(o) is DynamicCache)
 
 
 def script(member: Member, monkeypatch: pytest.MonkeyPatch, token_ids: list[int]) -> Member:

@@ -53,24 +53,44 @@ GENERATE_CASES = [
     ("messages str", lambda e: e.generate(messages="hi"), InputTypeError, "messages must be a list"),
     ("message no role", lambda e: e.generate(messages=[{"content": "x"}]), InputTypeError, "'role' and 'content'"),
     ("message not dict", lambda e: e.generate(messages=["hi"]), InputTypeError, "must be a dict"),
-    ("content int", lambda e: e.generate(messages=[{"role": "user", "content": 3}]), InputTypeError,
-     r"content'\] must be a string"),
+    (
+        "content int",
+        lambda e: e.generate(messages=[{"role": "user", "content": 3}]),
+        InputTypeError,
+        r"content'\] must be a string",
+    ),
     ("surrogate prompt", lambda e: e.generate("abc \ud800 def"), InputError, "unpaired surrogate.*errors='replace'"),
-    ("surrogate escape", lambda e: e.generate(b"ok \xff".decode(errors="surrogateescape")), InputError,
-     "unpaired surrogate"),
-    ("surrogate content", lambda e: e.generate(messages=[{"role": "user", "content": "\udc00x"}]), InputError,
-     r"messages\[0\]\['content'\] contains an unpaired surrogate"),
+    (
+        "surrogate escape",
+        lambda e: e.generate(b"ok \xff".decode(errors="surrogateescape")),
+        InputError,
+        "unpaired surrogate",
+    ),
+    (
+        "surrogate content",
+        lambda e: e.generate(messages=[{"role": "user", "content": "\udc00x"}]),
+        InputError,
+        r"messages\[0\]\['content'\] contains an unpaired surrogate",
+    ),
     ("max_new_tokens 0", lambda e: e.generate(PROMPT, max_new_tokens=0), ConfigError, "max_new_tokens must be >= 1"),
     ("max_new_tokens -5", lambda e: e.generate(PROMPT, max_new_tokens=-5), ConfigError, "max_new_tokens must be >= 1"),
     ("max_new_tokens huge", lambda e: e.generate(PROMPT, max_new_tokens=10**12), ConfigError, "use at most"),
     ("max_new_tokens float", lambda e: e.generate(PROMPT, max_new_tokens=3.0), ConfigError, "must be an integer"),
     ("max_new_tokens str", lambda e: e.generate(PROMPT, max_new_tokens="3"), ConfigError, "must be an integer"),
     ("max_new_tokens bool", lambda e: e.generate(PROMPT, max_new_tokens=True), ConfigError, "must be an integer"),
-    ("method", lambda e: e.generate(PROMPT, method="speculative"), ConfigError,
-     r"unknown method 'speculative'; choose one of \['safe', 'every_token', 'single'\]"),
+    (
+        "method",
+        lambda e: e.generate(PROMPT, method="speculative"),
+        ConfigError,
+        r"unknown method 'speculative'; choose one of \['safe', 'every_token', 'single'\]",
+    ),
     ("method None", lambda e: e.generate(PROMPT, method=None), ConfigError, "unknown method None"),
-    ("aggregation", lambda e: e.generate(PROMPT, aggregation="mean"), ConfigError,
-     r"unknown aggregation 'mean'; choose one of \['unite', 'gac'\]"),
+    (
+        "aggregation",
+        lambda e: e.generate(PROMPT, aggregation="mean"),
+        ConfigError,
+        r"unknown aggregation 'mean'; choose one of \['unite', 'gac'\]",
+    ),
     ("sharpening", lambda e: e.generate(PROMPT, sharpening="max"), ConfigError, "unknown sharpening 'max'"),
     ("draft_length 0", lambda e: e.generate(PROMPT, draft_length=0), ConfigError, "draft_length must be >= 1"),
     ("draft_length -3", lambda e: e.generate(PROMPT, draft_length=-3), ConfigError, "draft_length must be >= 1"),
@@ -90,14 +110,25 @@ GENERATE_CASES = [
     ("stop int", lambda e: e.generate(PROMPT, stop=5), InputTypeError, "stop must be a string or a list"),
     ("stop list of int", lambda e: e.generate(PROMPT, stop=["a", 1]), InputTypeError, "stop must be a string"),
     ("stop bytes", lambda e: e.generate(PROMPT, stop=b"x"), InputTypeError, "stop must be a string"),
-    ("unknown option", lambda e: e.generate(PROMPT, max_tokens=3), ConfigError,
-     r"unknown generation option\(s\) \['max_tokens'\]; valid options:"),
-    ("unknown options", lambda e: e.generate(PROMPT, temprature=0.5, topk=3), ConfigError,
-     r"\['temprature', 'topk'\]"),
-    ("config dict", lambda e: e.generate(PROMPT, config={"method": "safe"}), InputTypeError,
-     "config must be a GenerationConfig"),
-    ("chat without template", lambda e: e.generate(messages=USER), ChatTemplateError,
-     "no chat template; pass a plain-text prompt instead, or give it one"),
+    (
+        "unknown option",
+        lambda e: e.generate(PROMPT, max_tokens=3),
+        ConfigError,
+        r"unknown generation option\(s\) \['max_tokens'\]; valid options:",
+    ),
+    ("unknown options", lambda e: e.generate(PROMPT, temprature=0.5, topk=3), ConfigError, r"\['temprature', 'topk'\]"),
+    (
+        "config dict",
+        lambda e: e.generate(PROMPT, config={"method": "safe"}),
+        InputTypeError,
+        "config must be a GenerationConfig",
+    ),
+    (
+        "chat without template",
+        lambda e: e.generate(messages=USER),
+        ChatTemplateError,
+        "no chat template; pass a plain-text prompt instead, or give it one",
+    ),
 ]
 
 
@@ -129,6 +160,29 @@ async def test_stream_and_async_raise_the_same_errors(ens2, baseline, label, cal
         async for _ in ens2.astream(*args, **kwargs):
             pass
     assert (await ens2.agenerate(PROMPT, max_new_tokens=4)).text == baseline
+
+
+def test_stop_strings_longer_than_the_output_are_harmless(ens2, baseline):
+    res = ens2.generate(PROMPT, max_new_tokens=4, stop=["x" * 500, baseline + "never"])
+    assert res.text == baseline and res.finish_reason == "length" and res.stats.tokens == 4
+    check_invariants(res, 4, ("x" * 500,))
+
+
+def test_langchain_surfaces_the_same_errors(ens2, baseline):
+    try:
+        from langchain_safe import SafeLLM
+    except Exception as err:
+        pytest.skip(f"langchain_safe adapter does not import: {err!r}")
+    llm = SafeLLM(ensemble=ens2, max_new_tokens=4)
+    with pytest.raises(InputError, match="prompt is empty"):
+        llm.invoke("")
+    with pytest.raises(ConfigError, match="unknown"):
+        llm.invoke(PROMPT, temprature=0.2)
+    # construction errors arrive wrapped in pydantic's ValidationError (a ValueError), message intact
+    with pytest.raises(ValueError, match="draft_length must be >= 1"):
+        SafeLLM(ensemble=ens2, draft_length=0)
+    assert llm.invoke(PROMPT) == baseline
+    still_works(ens2, baseline)
 
 
 def test_generation_config_validates_on_its_own():
@@ -189,7 +243,7 @@ def test_tokenizer_without_eos_is_refused_with_a_fix():
     assert tok.eos_token_id is None
     model = tiny_model(len(tok), 1, None)
     assert model.generation_config.eos_token_id is None
-    with pytest.raises(ConfigError, match="no EOS token.*set tokenizer.eos_token"):
+    with pytest.raises(ConfigError, match=r"no EOS token.*set tokenizer.eos_token"):
         Member(model, tok, name="no-eos")
 
 
@@ -228,7 +282,9 @@ def test_prompt_longer_than_the_smallest_context_window_is_an_error(drafter, lea
     ens = Ensemble([small, tiny_member("llama2", 2)], drafter=drafter)
     assert ens.context_window == 64
     long_prompt = "word " * 100
-    with pytest.raises(InputError, match=rf"tokens for member '{small.name}'.*context window of 64; shorten the prompt"):
+    with pytest.raises(
+        InputError, match=rf"tokens for member '{small.name}'.*context window of 64; shorten the prompt"
+    ):
         ens.generate(long_prompt, max_new_tokens=4)
     exact = small.tokenizer.decode(small.prompt_ids(long_prompt)[:64])
     assert len(small.prompt_ids(exact)) == 64
@@ -284,4 +340,3 @@ def test_devices_that_do_not_exist_are_clear_errors_before_anything_loads(model_
     ens = Ensemble.from_pretrained([str(model_dir), str(model_dir)], device_map=["cpu", "cpu"])
     check_invariants(ens.generate(PROMPT, max_new_tokens=3), 3)
     still_works(ens2, baseline)
-

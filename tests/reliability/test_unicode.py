@@ -74,7 +74,7 @@ def test_encode_is_byte_exact_with_offsets(members, family, name):
     data = TORTURE[name].encode()
     ids, starts = m.vocab.encode(data)
     assert len(ids) == len(starts) > 0
-    assert starts[0] == 0 and all(a <= b for a, b in zip(starts, starts[1:])) and starts[-1] < len(data)
+    assert starts[0] == 0 and starts == sorted(starts) and starts[-1] < len(data)
     assert special_ids(m, ids) == []
     spelled = b"".join(m.token_bytes[i] or b"" for i in ids)
     if spelled != data:  # only a normalising tokenizer may differ, and only by normalisation
@@ -163,3 +163,22 @@ def test_a_drafter_emitting_single_bytes_of_characters(monkeypatch, verifier):
         assert "".join(deltas) == res.text
     cut = ens.generate("Say:", max_new_tokens=2, method="single")  # ends inside 世
     assert cut.finish_reason == "length" and cut.text == "\ufffd"
+
+
+@pytest.mark.parametrize("ending", ["eos", "length"])
+def test_a_character_cut_at_the_end_cannot_smuggle_a_stop_string_out(monkeypatch, ending):
+    """At the end, a cut character is flushed as U+FFFD; that flush is checked for stop strings too."""
+    drafter = tiny_member("gpt2", 72)
+    ids = [drafter.vocab.id_of_bytes[b"a"]] + [drafter.vocab.id_of_bytes[bytes([b])] for b in "世".encode()[:2]]
+    script(drafter, monkeypatch, ids)  # then EOS
+    ens = Ensemble([drafter, tiny_member("llama2", 73)])
+    budget = 3 if ending == "length" else 10
+    for stop in (["\ufffd"], ["a\ufffd"], ["zz", "\ufffd"]):
+        for method in ("single", "safe"):
+            res = ens.generate("Say:", max_new_tokens=budget, method=method, stop=stop)
+            check_invariants(res, budget, tuple(stop))
+            if method == "single":
+                assert (res.text, res.finish_reason) == ("" if stop == ["a\ufffd"] else "a", "stop")
+            assert "".join(ens.stream("Say:", max_new_tokens=budget, method=method, stop=stop)) == res.text
+    res = ens.generate("Say:", max_new_tokens=budget, method="single")
+    assert (res.text, res.finish_reason) == ("a\ufffd", ending)

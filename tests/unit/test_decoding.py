@@ -132,7 +132,7 @@ def test_chat_messages_use_each_members_own_template():
 
 def test_chat_without_template_is_a_clear_error_unless_overridden():
     ens = Ensemble([tiny_member("qwen2.5-7b-instruct", 1), tiny_member("gpt2", 2)])
-    with pytest.raises(ChatTemplateError, match="gpt2-2.*no chat template"):
+    with pytest.raises(ChatTemplateError, match=r"gpt2-2.*no chat template"):
         ens.generate(messages=[{"role": "user", "content": "hi"}], max_new_tokens=3)
     assert ens.generate("plain text works", max_new_tokens=3).stats.tokens == 3
     template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -581,10 +583,10 @@ def test_tool_choice_and_parallel_tool_calls(chat, ens, monkeypatch):
     assert len(msg.tool_calls) == 2
     assert calls[-1]["messages"][0] == {
         "role": "system",
-        "content": "Be exact.\n\nAnswer by calling the tool 'multiply'.",
+        "content": 'Be exact.\n\nYou must call the tool "multiply". Reply with only the tool call, no other text.',
     }
     chat.bind_tools([multiply, add], tool_choice="any").invoke("?")
-    assert calls[-1]["messages"][0]["content"] == "Answer by calling one of the provided tools."
+    assert calls[-1]["messages"][0]["content"].startswith("You must call one of the tools.")
     chat.bind_tools([multiply, add], tool_choice="auto").invoke("?")
     assert calls[-1]["messages"] == [{"role": "user", "content": "?"}]
     msg = chat.bind_tools([multiply, add], tool_choice="none").invoke("?")
@@ -637,3 +639,13 @@ def test_unknown_constructor_parameters_are_refused(ens):
         ChatSafe(ensemble=ens, max_new_token=5)
     # LangChain's standard hosted-model parameters are accepted (and have nothing to do here).
     assert ChatSafe(ensemble=ens, api_key="x", timeout=30, max_retries=1, streaming=True).streaming
+
+
+def test_package_imports_without_llama_index():
+    code = (
+        "import sys, langchain_safe; "
+        "assert not any(m.split('.')[0] in ('llama_index', 'llamaindex_safe') for m in sys.modules); "
+        "print(sorted(langchain_safe.__all__))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['ChatSafe', 'SafeLLM']"
