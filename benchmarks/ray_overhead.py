@@ -100,6 +100,9 @@ def measure(placements: dict[str, Ensemble], method: str, max_new_tokens: int, r
             "bytes_sent_per_round": round(traffic["bytes_sent"] / rounds),
             "bytes_received_per_round": round(traffic["bytes_received"] / rounds),
             "bytes_per_round": round((traffic["bytes_sent"] + traffic["bytes_received"]) / rounds),
+            "actor_call_ms_per_round": round(traffic["call_us"] / rounds / 1e3, 2),
+            "actor_compute_ms_per_round": round(traffic["compute_us"] / rounds / 1e3, 2),
+            "transport_ms_per_round": round((traffic["call_us"] - traffic["compute_us"]) / rounds / 1e3, 2),
             "calls_per_round_by_method": {
                 k.removeprefix("calls:"): round(v / rounds, 2) for k, v in traffic.items() if k.startswith("calls:")
             },
@@ -114,6 +117,8 @@ def _totals(members: list[RayMember]) -> Counter:
         total.update(
             {"calls": snap["calls"], "bytes_sent": snap["bytes_sent"], "bytes_received": snap["bytes_received"]}
         )
+        # Counter drops non-positive entries on subtraction: keep times as integer microseconds
+        total.update({"call_us": round(snap["call_s"] * 1e6), "compute_us": round(snap["compute_s"] * 1e6)})
         total.update({f"calls:{k}": v["calls"] for k, v in snap["by_method"].items()})
     return total
 

@@ -250,22 +250,14 @@ def with_result(start: Callable[[], Any]) -> Iterator[tuple[str, GenerationResul
         stream.close()
 
 
-async def awith_result(start: Callable[[], Any]) -> AsyncIterator[tuple[str, GenerationResult | None]]:
-    """Async `with_result`: preparing the request and every round run in a worker thread.
-
-    The engine's own `Ensemble.astream` yields deltas only and does not expose the final result (stats,
-    finish_reason), so this drives `Ensemble.stream` the same way `astream` does, one round per hop.
-    """
-    sentinel = object()
-    stream = await asyncio.to_thread(start)
+async def awith_result(open_stream: Callable[[], Any]) -> AsyncIterator[tuple[str, GenerationResult | None]]:
+    """Async `with_result` over `ens.astream(...)` (tokenizing and every round run in a worker thread)."""
+    stream = open_stream()
     try:
-        while True:
-            delta = await asyncio.to_thread(next, stream, sentinel)
-            if delta is sentinel:
-                break
+        async for delta in stream:
             yield delta, stream.result
             if stream.result is not None:
                 return
         yield "", stream.result
     finally:
-        stream.close()
+        await stream.aclose()

@@ -236,15 +236,20 @@ def _json_calls(
             obj, end = _close_json(text[start:]), len(text)
             if obj is None:
                 raw = text[start:]
-                invalid.append(
-                    invalid_tool_call(
-                        name=attempt.group(1), args=raw, id=new_tool_call_id(), error=f"invalid JSON: {err}"
-                    )
-                )
-                spans.append(_with_fence(text, start, len(text)))
+                error = f"invalid JSON: {err}"
+                invalid.append(invalid_tool_call(name=attempt.group(1), args=raw, id=new_tool_call_id(), error=error))
+                outer = _outermost_open(text, spans[-1][1] if spans else 0, start)
+                spans.append(_with_fence(text, outer, len(text)))
                 break
         found = _as_calls(obj, names, forced, forced_tool)
         if found is None:
+            if _is_call_shaped(obj):  # {"name": <not a bound tool>, "arguments": ...}: a call, but to what?
+                error = f"unknown tool {obj['name']!r}; bound tools: {sorted(names)}"
+                raw = text[start:end]
+                invalid.append(invalid_tool_call(name=obj["name"], args=raw, id=new_tool_call_id(), error=error))
+                spans.append(_with_fence(text, start, end))
+                pos = end
+                continue
             pos = start + 1
             continue
         for item in found:
@@ -271,6 +276,41 @@ def _as_calls(obj: Any, names: set[str], forced: str | None, forced_tool: Any) -
     if forced is not None and isinstance(obj, dict) and _looks_like_arguments(obj, forced_tool):
         return [{"name": forced, "arguments": obj}]
     return None
+
+
+def _is_call_shaped(obj: Any) -> bool:
+    return (
+        isinstance(obj, dict)
+        and isinstance(obj.get("name"), str)
+        and ("arguments" in obj or "parameters" in obj)
+        and set(obj) <= _CALL_KEYS
+    )
+
+
+def _outermost_open(text: str, lo: int, hi: int) -> int:
+    """Where the outermost bracket still open at `hi` opened (scanning from the first bracket after `lo`),
+    so an unparsable call nested in a wrapper ({"function": {"name": ...) is cut out whole."""
+    first = _JSON_START_RE.search(text, lo, hi)
+    if first is None:
+        return hi
+    opened: list[int] = []
+    in_string = escaped = False
+    for i in range(first.start(), hi):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            opened.append(i)
+        elif ch in "}]" and opened:
+            opened.pop()
+    return opened[0] if opened and not in_string else hi
 
 
 def _with_fence(text: str, start: int, end: int) -> tuple[int, int]:

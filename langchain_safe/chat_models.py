@@ -74,14 +74,17 @@ class ChatSafe(SafeParams, BaseChatModel):
         *,
         tool_choice: dict | str | bool | None = None,
         parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (any form `convert_to_openai_tool` accepts).
 
         `tool_choice`: None/"auto" (the model decides), "none" (tools are not shown), "any"/"required"/True
         (must call one), a tool name or {"type": "function", "function": {"name": ...}} (must call it).
-        `parallel_tool_calls=False` keeps only the first call of a reply.
+        `parallel_tool_calls=False` keeps only the first call of a reply. `strict` is accepted for
+        compatibility and has no effect: arguments are parsed from free text, never schema-constrained.
         """
+        del strict
         formatted = [convert_to_openai_tool(t) for t in tools]
         names = [t["function"]["name"] for t in formatted]
         choice = _normalise_tool_choice(tool_choice, names)
@@ -171,7 +174,7 @@ class ChatSafe(SafeParams, BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         request, content, first_only = self._request(messages, stop, kwargs)
         ens = await self.aget_ensemble()
-        async for delta, result in awith_result(lambda: ens.stream(**request)):
+        async for delta, result in awith_result(lambda: ens.astream(**request)):
             text = content.feed(delta)
             if result is None:
                 if text:

@@ -83,7 +83,7 @@ class SafeLLM(SafeParams, BaseLLM):
         for prompt in prompts:
             info: dict[str, Any] | None = None
             text = ""
-            async for delta, result in awith_result(lambda p=prompt: ens.stream(p, **options)):
+            async for delta, result in awith_result(lambda p=prompt: ens.astream(p, **options)):
                 if delta and run_manager:
                     await run_manager.on_llm_new_token(delta)
                 if result is not None:
@@ -116,7 +116,7 @@ class SafeLLM(SafeParams, BaseLLM):
     ) -> AsyncIterator[GenerationChunk]:
         options = self._engine_options(stop, dict(kwargs))
         ens = await self.aget_ensemble()
-        async for delta, result in awith_result(lambda: ens.stream(prompt, **options)):
+        async for delta, result in awith_result(lambda: ens.astream(prompt, **options)):
             info = self._generation_info(result, ens) if result is not None else None
             chunk = GenerationChunk(text=delta, generation_info=info)
             if run_manager:

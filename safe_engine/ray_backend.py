@@ -27,6 +27,7 @@ import pickle
 import queue
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from collections import deque
@@ -131,9 +132,11 @@ class MemberActor:
         sampling: tuple[bool, float, float],
         top_k: int,
         retain: int,
-    ) -> tuple[int, list[tuple[list[int], list[float], int, dict[int, float]]]]:
+    ) -> tuple[int, list[tuple[list[int], list[float], int, dict[int, float]]], float]:
         """`Member.score` on this request's cache; per kept row: top-k ids + log-probs, argmax, and the
-        log-probabilities of the EOS ids and of the next fed token (where one exists)."""
+        log-probabilities of the EOS ids and of the next fed token (where one exists). Also the seconds
+        this took in the actor, so the driver can tell compute from transport."""
+        started = time.perf_counter()
         member = self._member()
         req = self.requests.get(request)
         if req is None:
@@ -154,7 +157,7 @@ class MemberActor:
             known = eos + ([ids[len(ids) - keep + r + 1]] if r < keep - 1 else [])
             known_lp = values[r, known].tolist()
             out.append((top.indices[r].tolist(), top.values[r].tolist(), argmax[r], dict(zip(known, known_lp))))
-        return call, out
+        return call, out, time.perf_counter() - started
 
     def row_logprobs(self, request: str, call: int, row: int, ids: list[int]) -> list[float]:
         return self._row(request, call, row)[ids].tolist()
@@ -179,8 +182,6 @@ class MemberActor:
 
     def ping(self, sleep_s: float = 0.0) -> str:
         if sleep_s > 0:
-            import time
-
             time.sleep(sleep_s)
         return "pong"
 
@@ -215,13 +216,17 @@ class Traffic:
             self.bytes_sent = 0
             self.bytes_received = 0
             self.max_call_bytes = 0
+            self.call_s = 0.0  # driver-side wall time of the calls (send, queue, compute, answer)
+            self.compute_s = 0.0  # of which the actor spent in `score` itself
             self.by_method: dict[str, dict[str, int]] = {}
 
-    def add(self, method: str, sent: int, received: int) -> None:
+    def add(self, method: str, sent: int, received: int, call_s: float = 0.0, compute_s: float = 0.0) -> None:
         with self._lock:
             self.calls += 1
             self.bytes_sent += sent
             self.bytes_received += received
+            self.call_s += call_s
+            self.compute_s += compute_s
             self.max_call_bytes = max(self.max_call_bytes, sent + received)
             entry = self.by_method.setdefault(method, {"calls": 0, "bytes_sent": 0, "bytes_received": 0})
             entry["calls"] += 1
@@ -236,6 +241,8 @@ class Traffic:
                 "bytes_received": self.bytes_received,
                 "bytes_total": self.bytes_sent + self.bytes_received,
                 "max_call_bytes": self.max_call_bytes,
+                "call_s": self.call_s,
+                "compute_s": self.compute_s,
                 "by_method": {k: dict(v) for k, v in self.by_method.items()},
             }
 
@@ -334,7 +341,7 @@ class RayMember(Member):
 
     def score(self, cache: RemoteRequest, start: int, ids: list[int], keep: int, config: GenerationConfig) -> list[Row]:
         sampling = (bool(config.do_sample), float(config.temperature), float(config.top_p))
-        call, rows = self._call(
+        call, rows, _ = self._call(
             "score", cache.id, int(start), list(ids), int(keep), sampling, max(config.top_k, MIN_TOP_K),
             config.draft_length + 1, request=cache,
         )  # fmt: skip
@@ -389,6 +396,7 @@ class RayMember(Member):
         ray = _ray()
         from ray import exceptions as rex
 
+        started = time.perf_counter()
         try:
             if request is None:
                 ref = getattr(self.actor, method).remote(*args)
@@ -420,7 +428,9 @@ class RayMember(Member):
             raise MemberError(
                 f"member {self.name!r} (Ray actor {self.actor_id}) failed in {method}: {_first_line(err)}"
             ) from err
-        self.traffic.add(method, _payload_size((method, args)), _payload_size(result))
+        elapsed = time.perf_counter() - started
+        compute = result[-1] if method == "score" else 0.0
+        self.traffic.add(method, _payload_size((method, args)), _payload_size(result), elapsed, compute)
         return result
 
 

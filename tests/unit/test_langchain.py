@@ -461,7 +461,6 @@ def _multiply_schema():
         # cut off by the token limit: closing the brackets completes it
         ('{"name": "multiply", "arguments": {"a": 2, "b": 3}', "", [("multiply", {"a": 2, "b": 3})]),
         ('<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3},', "", [("multiply", {"a": 2, "b": 3})]),
-        ('{"name": "unknown_tool", "arguments": {}}', '{"name": "unknown_tool", "arguments": {}}', []),
         ('Data: {"name": "multiply", "colour": "red"}', 'Data: {"name": "multiply", "colour": "red"}', []),
         ("The answer is {a: 1}.", "The answer is {a: 1}.", []),
     ],
@@ -489,6 +488,9 @@ def test_parse_reply_without_tools_is_plain_text():
         ('<tool_call>{"name": "multiply", "arguments": "{oops"}</tool_call>', "multiply", "not valid JSON"),
         ('<tool_call>["multiply"]</tool_call>', None, "JSON object"),
         ('{"name": "multiply", "arguments": {"a": "tw', "multiply", "invalid JSON"),  # cut inside a string
+        # a copy of the schema, cut inside a string: the whole wrapper goes, not just the inner object
+        ('{"type": "function", "function": {"name": "multiply", "parameters": {"a": "tw', "multiply", "invalid JSON"),
+        ('{"name": "hello", "arguments": {"message": "Hi"}}', "hello", "unknown tool 'hello'"),  # untagged, unbound
         ('{"name": "multiply", "arguments": {"a": 2}} }', None, None),  # extra brace after a valid call
     ],
 )
@@ -649,3 +651,26 @@ def test_package_imports_without_llama_index():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['ChatSafe', 'SafeLLM']"
+
+
+def test_leaving_a_stream_early_frees_the_request(llm, chat, ens, monkeypatch):
+    opened: list[ScriptedStream] = []
+
+    def fake_stream(prompt=None, **kwargs):
+        opened.append(ScriptedStream(["a", "b", "c", "d"]))
+        return opened[-1]
+
+    monkeypatch.setattr(ens, "stream", fake_stream)
+    for model in (llm, chat):
+        stream = model.stream("Hi")
+        next(stream)
+        stream.close()
+        assert opened[-1].closed and opened[-1].result is None
+
+        async def first(model=model):
+            agen = model.astream("Hi")
+            await agen.__anext__()
+            await agen.aclose()
+
+        asyncio.run(first())
+        assert opened[-1].closed and opened[-1].result is None
