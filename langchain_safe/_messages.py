@@ -11,7 +11,9 @@ Tool-call formats understood in the generated text (only when tools are bound):
   ``{"type": "function", "function": {...}}`` shape) anywhere in the reply, optionally in a Markdown code
   fence: small models often write the call untagged, and often inside a sentence;
 - when the caller forces one tool (`tool_choice`), a JSON object of just its arguments (what small
-  models tend to produce for `with_structured_output`).
+  models tend to produce for `with_structured_output`), or a call-shaped object with a wrong "name" whose
+  arguments fit that tool's schema. Otherwise an untagged call to a tool that is not bound is reported
+  in `invalid_tool_calls`.
 
 A call cut off by the token limit is completed by closing its brackets only, never by inventing text.
 A call that cannot be parsed becomes an `invalid_tool_calls` entry, never an exception.
@@ -273,8 +275,14 @@ def _as_calls(obj: Any, names: set[str], forced: str | None, forced_tool: Any) -
         return [obj]
     if isinstance(obj, list) and obj and all(is_call(o) for o in obj):
         return list(obj)
-    if forced is not None and isinstance(obj, dict) and _looks_like_arguments(obj, forced_tool):
-        return [{"name": forced, "arguments": obj}]
+    if forced is not None and isinstance(obj, dict):
+        if _looks_like_arguments(obj, forced_tool):
+            return [{"name": forced, "arguments": obj}]
+        # Small models sometimes put a value in "name" ({"name": "Acme", "arguments": {...}}); with one tool
+        # forced, arguments that fit its schema settle which tool was meant.
+        args = obj.get("arguments", obj.get("parameters"))
+        if _is_call_shaped(obj) and isinstance(args, dict) and _looks_like_arguments(args, forced_tool):
+            return [{"name": forced, "arguments": args}]
     return None
 
 

@@ -510,6 +510,11 @@ def test_forced_single_tool_accepts_bare_arguments():
     assert [(c["name"], c["args"]) for c in parsed.tool_calls] == [("multiply", {"a": 2, "b": 3})]
     assert parse_reply('{"a": 2}', schema, forced="multiply").tool_calls == []  # "b" is required
     assert parse_reply('{"a": 2, "b": 3}', schema).tool_calls == []  # not forced: just text
+    # a value where the tool name belongs, arguments that fit the forced tool
+    misnamed = '{"name": "Acme", "arguments": {"a": 2, "b": 3}}'
+    parsed = parse_reply(misnamed, schema, forced="multiply")
+    assert [(c["name"], c["args"]) for c in parsed.tool_calls] == [("multiply", {"a": 2, "b": 3})]
+    assert parse_reply(misnamed, schema).invalid_tool_calls[0]["error"].startswith("unknown tool 'Acme'")
 
 
 @pytest.mark.parametrize(
