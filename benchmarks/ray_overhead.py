@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -38,28 +37,15 @@ PROMPTS = [
 
 
 def tiny_specs(root: Path) -> list[ModelSpec]:
-    """Tiny 2-layer random Llamas over real tokenizers (as in the unit tests), saved as directories."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """The unit tests' tiny 2-layer random Llamas over real tokenizers, saved as model directories."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.conftest import tiny_model, tokenizer
 
-    shared = Path(os.environ.get("SAFE_SHARED_DIR", Path(__file__).resolve().parents[1] / ".." / "shared"))
     specs = []
     for name, seed in TINY:
-        tok = AutoTokenizer.from_pretrained(shared.resolve() / "tokenizers" / name)
-        torch.manual_seed(seed)
-        config = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            initializer_range=0.6,
-            eos_token_id=tok.eos_token_id,
-            tie_word_embeddings=False,
-        )
+        tok = tokenizer(name)
         path = root / f"{name}-{seed}"
-        LlamaForCausalLM(config).save_pretrained(path)
+        tiny_model(len(tok), seed, tok.eos_token_id).save_pretrained(path)
         tok.save_pretrained(path)
         specs.append(ModelSpec(str(path)))
     return specs

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from safe_engine import Ensemble, GenerationConfig, GenerationResult, ModelSpec
-from safe_engine.errors import ConfigError, InputTypeError
+from safe_engine.errors import ConfigError, InputTypeError, from_validation_error
+from safe_engine.members import spec_name, unique_names
 
 #: GenerationConfig fields exposed as model fields and per-call keyword arguments.
 KNOBS = (
@@ -73,6 +73,13 @@ class SafeParams(BaseModel):
 
     _loaded: Ensemble | None = PrivateAttr(default=None)
     _load_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    def __init__(self, **data: Any) -> None:
+        """Bad options raise the engine's ConfigError / InputTypeError, as everywhere in this library."""
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise from_validation_error(type(self).__name__, err) from err
 
     @model_validator(mode="before")
     @classmethod
@@ -145,13 +152,7 @@ class SafeParams(BaseModel):
             return list(self.ensemble.names)
         if self._loaded is not None:
             return list(self._loaded.names)
-        names = [_spec_name(s) for s in self.models or []]
-        seen: dict[str, int] = {}
-        unique = []
-        for name in names:
-            seen[name] = seen.get(name, 0) + 1
-            unique.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
-        return unique
+        return unique_names([spec_name(s) for s in self.models or []])
 
     @property
     def drafter_name(self) -> str:
@@ -211,6 +212,22 @@ class SafeParams(BaseModel):
             "stats": stats.to_dict(),
         }
 
+    def _ls_params(self, model_type: str, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """LangSmith tracing parameters (`_get_ls_params` of both models; ls_provider "safe")."""
+        model = kwargs.get("model")
+        params: dict[str, Any] = {
+            "ls_provider": "safe",
+            "ls_model_name": model if isinstance(model, str) else self.ensemble_name,
+            "ls_model_type": model_type,
+            "ls_max_tokens": kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens)),
+        }
+        temperature = kwargs.get("temperature", self.temperature)
+        if temperature is not None:
+            params["ls_temperature"] = temperature
+        if stop or self.stop:
+            params["ls_stop"] = list(stop or self.stop or [])
+        return params
+
     def _safe_identifying_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"models": self.member_names, "drafter": self.drafter_name}
         if self.ensemble is None:
@@ -224,12 +241,6 @@ def drafter_prompt_tokens(result: GenerationResult, ensemble: Ensemble) -> int:
     counts = result.stats.prompt_tokens
     name = ensemble.names[ensemble.drafter_index]
     return int(counts.get(name, next(iter(counts.values()), 0)))
-
-
-def _spec_name(spec: str | ModelSpec) -> str:
-    if isinstance(spec, ModelSpec):
-        return spec.name or Path(spec.path).name or spec.path
-    return Path(spec).name or spec
 
 
 # -- driving the engine's stream -------------------------------------------------------------------------

@@ -54,18 +54,7 @@ class ChatSafe(SafeParams, BaseChatModel):
         return self._safe_identifying_params()
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider="safe",
-            ls_model_name=kwargs.get("model") if isinstance(kwargs.get("model"), str) else self.ensemble_name,
-            ls_model_type="chat",
-            ls_max_tokens=kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens)),
-        )
-        temperature = kwargs.get("temperature", self.temperature)
-        if temperature is not None:
-            params["ls_temperature"] = temperature
-        if stop or self.stop:
-            params["ls_stop"] = list(stop or self.stop or [])
-        return params
+        return LangSmithParams(**self._ls_params("chat", stop, kwargs))
 
     # -- tools ---------------------------------------------------------------------------------------
     def bind_tools(
@@ -127,20 +116,24 @@ class ChatSafe(SafeParams, BaseChatModel):
     def _final_chunk(
         self, tail: str, parsed: ParsedReply, result: GenerationResult, ens: Ensemble, first_only: bool
     ) -> ChatGenerationChunk:
+        fields = self._reply_fields(parsed, result, ens, first_only)
+        return ChatGenerationChunk(message=AIMessageChunk(content=tail, chunk_position="last", **fields))
+
+    def _reply_fields(
+        self, parsed: ParsedReply, result: GenerationResult, ens: Ensemble, first_only: bool
+    ) -> dict[str, Any]:
+        """tool_calls, invalid_tool_calls, usage_metadata, response_metadata of the final message."""
         calls, invalid = parsed.tool_calls, parsed.invalid_tool_calls
         if first_only and calls:
             calls, invalid = calls[:1], []
         metadata = self._generation_info(result, ens)
         metadata["model_provider"] = "safe"
-        message = AIMessageChunk(
-            content=tail,
-            tool_calls=calls,
-            invalid_tool_calls=invalid,
-            usage_metadata=self._usage(result, ens),
-            response_metadata=metadata,
-            chunk_position="last",
-        )
-        return ChatGenerationChunk(message=message)
+        return {
+            "tool_calls": calls,
+            "invalid_tool_calls": invalid,
+            "usage_metadata": self._usage(result, ens),
+            "response_metadata": metadata,
+        }
 
     def _usage(self, result: GenerationResult, ens: Ensemble) -> UsageMetadata:
         prompt = drafter_prompt_tokens(result, ens)
@@ -212,19 +205,8 @@ class ChatSafe(SafeParams, BaseChatModel):
     ) -> ChatResult:
         content.feed(result.text)
         _, parsed = content.finish()
-        calls, invalid = parsed.tool_calls, parsed.invalid_tool_calls
-        if first_only and calls:
-            calls, invalid = calls[:1], []
-        metadata = self._generation_info(result, ens)
-        metadata["model_provider"] = "safe"
-        message = AIMessage(
-            content=parsed.content,
-            tool_calls=calls,
-            invalid_tool_calls=invalid,
-            usage_metadata=self._usage(result, ens),
-            response_metadata=metadata,
-        )
-        info = {k: metadata[k] for k in ("finish_reason", "model_name")}
+        message = AIMessage(content=parsed.content, **self._reply_fields(parsed, result, ens, first_only))
+        info = {k: message.response_metadata[k] for k in ("finish_reason", "model_name")}
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
 
 

@@ -36,18 +36,7 @@ class SafeLLM(SafeParams, BaseLLM):
         return self._safe_identifying_params()
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider="safe",
-            ls_model_name=kwargs.get("model") if isinstance(kwargs.get("model"), str) else self.ensemble_name,
-            ls_model_type="llm",
-            ls_max_tokens=kwargs.get("max_tokens", kwargs.get("max_new_tokens", self.max_new_tokens)),
-        )
-        temperature = kwargs.get("temperature", self.temperature)
-        if temperature is not None:
-            params["ls_temperature"] = temperature
-        if stop or self.stop:
-            params["ls_stop"] = list(stop or self.stop or [])
-        return params
+        return LangSmithParams(**self._ls_params("llm", stop, kwargs))
 
     def _generate(
         self,

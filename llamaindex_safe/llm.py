@@ -17,13 +17,11 @@ as fields, `completion_to_prompt` / `messages_to_prompt` / `system_prompt`) and 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import fields as dataclass_fields
-from pathlib import Path
 from typing import Any
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
@@ -38,13 +36,15 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
 from safe_engine import Ensemble, GenerationConfig, GenerationResult, ModelSpec, TextStream
+from safe_engine.errors import ConfigError, InputTypeError, from_validation_error
+from safe_engine.members import peek_spec, spec_name, unique_names
 
 _DEFAULTS = GenerationConfig()
 #: Names of the engine's generation options; per-call keyword arguments with these names override fields.
@@ -53,7 +53,6 @@ _ROLE_ALIASES = {MessageRole.CHATBOT.value: "assistant", MessageRole.MODEL.value
 _MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name")
 _LOADING_OPTIONS = ("drafter", "weights", "device_map", "dtype", "trust_remote_code")
 _LOAD_LOCK = threading.Lock()  # one load at a time (process-wide: loads compete for memory anyway)
-_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 class SafeLLM(CustomLLM):
@@ -121,17 +120,17 @@ class SafeLLM(CustomLLM):
         **kwargs: Any,
     ) -> None:
         if (ensemble is None) == (models is None):
-            raise ValueError(
+            raise ConfigError(
                 "SafeLLM needs exactly one of ensemble=Ensemble(...) or models=[spec, ...] "
                 "(hub ids, directories, .gguf files or demo names such as 'smollm2-135m')"
             )
         if ensemble is not None:
             if not isinstance(ensemble, Ensemble):
-                raise TypeError(f"ensemble must be a safe_engine.Ensemble, got {type(ensemble).__name__}")
+                raise InputTypeError(f"ensemble must be a safe_engine.Ensemble, got {type(ensemble).__name__}")
             unset = {"drafter": ensemble.drafter_index, "trust_remote_code": False}
             loading = sorted(k for k in _LOADING_OPTIONS if kwargs.get(k, unset.get(k)) != unset.get(k))
             if loading:
-                raise ValueError(
+                raise ConfigError(
                     f"{loading} apply to models=[...]; an Ensemble passed as ensemble= is already loaded "
                     "(choose them in Ensemble(...) / Ensemble.from_pretrained(...))"
                 )
@@ -139,17 +138,32 @@ class SafeLLM(CustomLLM):
         dtype = kwargs.get("dtype")
         if dtype is not None and not isinstance(dtype, str):  # a torch.dtype: keep the field serialisable
             kwargs["dtype"] = str(dtype).removeprefix("torch.")
-        super().__init__(models=models, callback_manager=callback_manager, **kwargs)
+        try:
+            super().__init__(models=models, callback_manager=callback_manager, **kwargs)
+        except ValidationError as err:  # this library's errors, not pydantic's
+            raise from_validation_error(type(self).__name__, err) from err
         self._ensemble = ensemble
 
     # -- validation -----------------------------------------------------------------------------------
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unknown(cls, data: Any) -> Any:
+        """A misspelt option is an error, not silently dropped."""
+        if isinstance(data, dict):
+            known = {"class_name"} | set(cls.model_fields)  # class_name: LlamaIndex's to_dict round trip
+            known |= {f.alias for f in cls.model_fields.values() if f.alias}
+            unknown = sorted(set(data) - known)
+            if unknown:
+                raise ConfigError(f"unknown parameter(s) {unknown} for {cls.__name__}; valid: {sorted(known)}")
+        return data
+
     @field_validator("models", mode="before")
     @classmethod
     def _check_models(cls, value: Any) -> Any:
         if value is None:
             return None
         if isinstance(value, str | os.PathLike | ModelSpec) or not isinstance(value, Sequence) or not value:
-            raise ValueError("models must be a non-empty list of model specs, e.g. ['smollm2-135m', 'gemma3-270m']")
+            raise ConfigError("models must be a non-empty list of model specs, e.g. ['smollm2-135m', 'gemma3-270m']")
         return [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value]
 
     @field_validator("stop", mode="before")
@@ -165,9 +179,9 @@ class SafeLLM(CustomLLM):
         if self.models is not None:
             n = len(self.models)
             if self.drafter >= n:
-                raise ValueError(f"drafter must be an index in [0, {n - 1}], got {self.drafter}")
+                raise ConfigError(f"drafter must be an index in [0, {n - 1}], got {self.drafter}")
             if self.weights is not None and len(self.weights) != n:
-                raise ValueError(f"weights has {len(self.weights)} entries but models lists {n} specs")
+                raise ConfigError(f"weights has {len(self.weights)} entries but models lists {n} specs")
         return self
 
     @classmethod
@@ -237,7 +251,7 @@ class SafeLLM(CustomLLM):
     def _member_names(self) -> list[str]:
         if self._ensemble is not None:
             return list(self._ensemble.names)
-        return [_spec_name(spec) for spec in self.models or ()]
+        return unique_names([spec_name(spec) for spec in self.models or ()])
 
     def _metadata(self, load: bool) -> LLMMetadata:
         if self._ensemble is not None:
@@ -261,7 +275,7 @@ class SafeLLM(CustomLLM):
     def _peek(self) -> tuple[int | None, bool] | None:
         """(smallest context window, every member has a chat template) from config files, or None."""
         if not self._peek_done:
-            found = [_peek_spec(spec, self.trust_remote_code) for spec in self.models or ()]
+            found = [peek_spec(spec, self.trust_remote_code) for spec in self.models or ()]
             if found and all(f is not None for f in found):
                 windows = [w for w, _ in found if w]
                 self._peeked = (min(windows) if windows else None, all(chat for _, chat in found))
@@ -456,62 +470,3 @@ def _engine_message(message: ChatMessage) -> dict[str, Any]:
         if message.additional_kwargs.get(key) is not None:
             converted[key] = message.additional_kwargs[key]
     return converted
-
-
-def _spec_name(spec: str | ModelSpec) -> str:
-    """The member name `Ensemble.from_pretrained` will give a spec (before de-duplication)."""
-    if isinstance(spec, ModelSpec):
-        return spec.name or Path(spec.path).name or spec.path
-    return Path(spec).name or spec
-
-
-def _peek_spec(spec: str | ModelSpec, trust_remote_code: bool) -> tuple[int | None, bool] | None:
-    """(context window, has a chat template) of a spec without loading weights; None if not cheaply known."""
-    spec = spec if isinstance(spec, ModelSpec) else ModelSpec(path=spec)
-    directory = _local_model_dir(spec)
-    if directory is None:
-        return None
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
-    except Exception:
-        return None
-    window = None
-    for name in _CONTEXT_FIELDS:
-        value = getattr(config, name, None) or getattr(getattr(config, "text_config", None), name, None)
-        if isinstance(value, int) and value > 0:
-            window = value
-            break
-    return window, bool(spec.chat_template) or _has_chat_template(directory)
-
-
-def _local_model_dir(spec: ModelSpec) -> Path | None:
-    """A directory holding the spec's config, if one exists without fetching, converting or hashing."""
-    from safe_engine import demo_models
-
-    if spec.gguf_file is not None or spec.path.endswith(".gguf"):
-        return None  # the converted copy is keyed by the file's hash: finding it means reading the file
-    if demo_models.is_demo_name(spec.path):
-        row = next(r for r in demo_models.list_models() if r["name"] == spec.path)
-        return Path(row["path"]) if row["converted"] else None
-    path = Path(spec.path).expanduser()
-    if path.is_dir():
-        return path if (path / "config.json").is_file() else None
-    try:  # a hub id already in the local Hugging Face cache
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(spec.path, "config.json")
-    except Exception:
-        return None
-    return Path(cached).parent if isinstance(cached, str) else None
-
-
-def _has_chat_template(directory: Path) -> bool:
-    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
-        return True
-    try:
-        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return bool(config.get("chat_template"))

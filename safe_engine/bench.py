@@ -135,6 +135,69 @@ def bench_ensemble(specs: Sequence[str], lengths: Sequence[int], configs=CONFIGS
     return out
 
 
+def speed_table(results: Sequence[dict]) -> str:
+    """Markdown: tokens/s and E/T per configuration, and each ratio next to its floor, per set and length."""
+    lines = [
+        "| members | new tokens | drafter alone (HF) tok/s | single | every_token UniTE / GaC | SAFE UniTE / GaC "
+        "| SAFE E/T UniTE / GaC | safe/drafter_alone (floor) | safe/every_token (floor) | single/hf_generate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        for run in result["runs"]:
+            for n, row in run["lengths"].items():
+                cells = [" + ".join(run["members"]), n, f"{row['hf_generate'][run['drafter']]['tokens_per_s']:.2f}"]
+                for keys, field, fmt in (
+                    (["single:unite"], "tokens_per_s", ".2f"),
+                    (["every_token:unite", "every_token:gac"], "tokens_per_s", ".2f"),
+                    (["safe:unite", "safe:gac"], "tokens_per_s", ".2f"),
+                    (["safe:unite", "safe:gac"], "ensemble_rate", ".0%"),
+                ):
+                    cells.append(" / ".join(format(row[k][field], fmt) if k in row else "–" for k in keys))
+                for name, ratio in row["ratios"].items():
+                    measured = "–" if ratio["measured"] is None else f"{ratio['measured']:.2f}"
+                    floor = "" if name == "single/hf_generate" else f" ({ratio['floor']:.2f})"
+                    cells.append(measured + floor)
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_speed(results: Sequence[dict], path: str | Path) -> None:
+    """Wall time against new tokens, one line per configuration, one panel per member set.
+
+    Why: the scaling claim (SAFE vs every-token as outputs grow and members are added) is a curve. Runs
+    of the same member set from several result files (e.g. a separate 2048-token run) are merged.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple[str, ...], dict[str, dict[int, float]]] = {}
+    for result in results:
+        for run in result["runs"]:
+            lines = panels.setdefault(tuple(run["members"]), {})
+            for n, row in run["lengths"].items():
+                for name, entry in row.items():
+                    if name == "ratios":
+                        continue
+                    if name == "hf_generate":
+                        name, entry = f"hf_generate ({run['drafter']} alone)", entry[run["drafter"]]
+                    lines.setdefault(name, {})[int(n)] = entry["wall_s"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, (members, lines) in zip(axes[0], panels.items()):
+        for name, points in sorted(lines.items()):
+            xs = sorted(points)
+            ax.plot(xs, [points[x] for x in xs], marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="new tokens", ylabel="wall time (s)")
+        ax.set_title(" + ".join(members), fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="safe-engine bench", description=__doc__.splitlines()[0])
     p.add_argument("-m", "--model", dest="models", action="append", help="member spec (repeat; first = drafter)")
@@ -142,7 +205,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", help="METHOD:AGGREGATION list (default: all five)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
+    p.add_argument("--plot", help="write a PNG of wall time vs new tokens")
+    p.add_argument("--markdown", help="write a Markdown table of the results")
+    p.add_argument("--from-json", nargs="+", help="no new run: --plot / --markdown these result files instead")
     args = p.parse_args(argv)
+    if args.from_json:
+        if not (args.plot or args.markdown):
+            p.error("--from-json needs --plot PATH and/or --markdown PATH")
+        earlier = [json.loads(Path(f).read_text()) for f in args.from_json]
+        if args.plot:
+            plot_speed(earlier, args.plot)
+        if args.markdown:
+            Path(args.markdown).write_text(speed_table(earlier))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     sets = (
@@ -165,6 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
+    if args.plot:
+        plot_speed([result], args.plot)
+    if args.markdown:
+        Path(args.markdown).write_text(speed_table([result]))
     return 0
 
 

@@ -232,7 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if argv[:1] == ["bench"]:  # the benchmark has its own parser (argparse's REMAINDER drops leading options)
+        argv, rest = argv[:1], argv[1:]
+        args = parser.parse_args(argv)
+        args.rest = rest
+    else:
+        args = parser.parse_args(argv)
     if getattr(args, "methods", ()) is None:
         args.methods = ["single", "safe:unite"]
     try:

@@ -178,6 +178,9 @@ class Generation:
             if any(c.too_long for c in checks):
                 return self._finish("length")
             accepted, replacement = self._scan(draft_ids, draft_rows, checks, start)
+            if replacement is not None:
+                self.stats.replaced_tokens += 1
+                self.stats.discarded_draft_tokens += len(draft_ids) - accepted - 1
         self._accept(draft_ids[:accepted], replacement, budget)
         self.stats.rounds += 1
         return self.finish_reason is not None

@@ -16,7 +16,7 @@ from .chat import chat_prompt_ids, check_text, validate_messages
 from .config import GenerationConfig
 from .decoding import Generation
 from .errors import ConfigError, InputError, InputTypeError
-from .members import Member, ModelSpec, check_device, load_member
+from .members import Member, ModelSpec, check_device, load_member, unique_names
 from .stats import GenerationResult
 
 
@@ -38,7 +38,7 @@ class Ensemble:
         self.members = members
         self.drafter_index = drafter
         self.weights = _weights(weights, len(members))
-        self.names = _unique_names([m.name for m in members])
+        self.names = unique_names([m.name for m in members])
         self._union: UnionVocab | None = None
         self._lock = threading.Lock()
         devices = {str(m.device) for m in members}
@@ -285,15 +285,6 @@ def _weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:
         raise ConfigError(f"weights must be finite, non-negative and not all zero, got {values}")
     total = sum(values)
     return torch.tensor([w / total for w in values])
-
-
-def _unique_names(names: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
-    unique = []
-    for name in names:
-        seen[name] = seen.get(name, 0) + 1
-        unique.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
-    return unique
 
 
 def _devices(device_map: str | Sequence[str | None] | None, n: int) -> list[str | None]:

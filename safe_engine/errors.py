@@ -6,6 +6,8 @@ code written against the builtins keeps working.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SafeEngineError(Exception):
     """Base class of every error raised deliberately by safe_engine."""
@@ -37,3 +39,17 @@ class ChecksumError(ModelLoadError):
 
 class MemberError(SafeEngineError, RuntimeError):
     """A member failed while serving a request (a remote actor died, timed out, ...)."""
+
+
+def from_validation_error(owner: str, err: Any) -> SafeEngineError:
+    """The SafeEngineError a pydantic validator raised, else a ConfigError naming the rejected field.
+
+    Why: the adapters are pydantic models; their users should catch this library's errors, not pydantic's.
+    `err` is a pydantic ValidationError (duck-typed: the engine does not depend on pydantic).
+    """
+    first = err.errors()[0]
+    raised = (first.get("ctx") or {}).get("error")
+    if isinstance(raised, SafeEngineError):
+        return raised
+    field = ".".join(str(part) for part in first.get("loc", ())) or "arguments"
+    return ConfigError(f"{owner}: invalid {field}: {first.get('msg')} (got {first.get('input')!r})")

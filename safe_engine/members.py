@@ -6,6 +6,7 @@ tokenizer, byte-level vocabulary. Per-request state (token ids, KV cache) lives 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 from dataclasses import dataclass
@@ -158,6 +159,71 @@ def resolve_spec(spec: str | ModelSpec) -> ModelSpec:
     )
 
 
+def spec_name(spec: str | ModelSpec) -> str:
+    """The name a spec's member gets (an Ensemble then numbers repeats: "smollm2-135m#2")."""
+    spec = resolve_spec(spec)
+    return spec.name or Path(spec.path).name or spec.path
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """Member names made unique by numbering repeats, as an Ensemble shows them."""
+    seen: dict[str, int] = {}
+    unique = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        unique.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return unique
+
+
+def peek_spec(spec: str | ModelSpec, trust_remote_code: bool = False) -> tuple[int | None, bool] | None:
+    """(context window, has a chat template) of a spec read from its config files, without loading weights.
+
+    Why: adapters report metadata (LlamaIndex's context window) before the lazy load. None when finding
+    out would mean fetching, converting or hashing (a .gguf, a demo model not yet converted, an uncached
+    hub id).
+    """
+    spec = resolve_spec(spec)
+    directory = _existing_dir(spec)
+    if directory is None:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except Exception:
+        return None
+    return _context_window(config), bool(spec.chat_template) or _has_chat_template(directory)
+
+
+def _existing_dir(spec: ModelSpec) -> Path | None:
+    """A directory already holding the spec's config.json, or None."""
+    if spec.gguf_file is not None or spec.path.endswith(".gguf"):
+        return None  # the converted copy is keyed by the file's hash: finding it means reading the file
+    if demo_models.is_demo_name(spec.path):
+        row = next(r for r in demo_models.list_models() if r["name"] == spec.path)
+        return Path(row["path"]) if row["converted"] else None
+    path = Path(spec.path).expanduser()
+    if path.is_dir():
+        return path if (path / "config.json").is_file() else None
+    try:  # a hub id already in the local Hugging Face cache
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(spec.path, "config.json")
+    except Exception:
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def _has_chat_template(directory: Path) -> bool:
+    if (directory / "chat_template.jinja").is_file() or (directory / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("chat_template"))
+
+
 def _local_dir(spec: ModelSpec) -> str:
     """Map a spec to something `from_pretrained` can load: a converted directory or a hub id."""
     if not spec.path or not spec.path.strip():
@@ -238,6 +304,4 @@ def load_member(
         ) from err
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not load model {spec.path!r}: {err}") from err
-    return Member(
-        model, tokenizer, name=spec.name or Path(spec.path).name or spec.path, chat_template=spec.chat_template
-    )
+    return Member(model, tokenizer, name=spec_name(spec), chat_template=spec.chat_template)

@@ -17,6 +17,10 @@ class EnsembleStats:
     forward_passes: dict[str, int] = field(default_factory=dict)  # per member name
     prompt_tokens: dict[str, int] = field(default_factory=dict)  # per member name
     note: str = ""
+    # Why SAFE can cost more than its floor: a position where the ensemble picks another token than the
+    # drafter's ends the round there, and the drafted tokens after it (one drafter pass each) are thrown away.
+    replaced_tokens: int = 0  # ensemble points whose choice differed from the drafted token
+    discarded_draft_tokens: int = 0  # drafted tokens dropped after a replaced one
 
     @property
     def ensemble_rate(self) -> float:

@@ -44,6 +44,7 @@ class ConfigRow:
     total_wall_time_s: float
     mean_wall_time_s: float
     by_task: dict[str, dict[str, float]] = field(default_factory=dict)
+    truncated: int = 0  # answers cut at max_new_tokens (finish_reason "length"): graded as they stand
 
 
 def _num(value: Any) -> float | None:
@@ -101,6 +102,7 @@ def aggregate(records: Iterable[Mapping[str, Any]]) -> list[ConfigRow]:
                 total_wall_time_s=sum_wall,
                 mean_wall_time_s=sum_wall / len(walls) if walls else 0.0,
                 by_task=dict(sorted(by_task.items())),
+                truncated=sum(1 for r in recs if r.get("finish_reason") == "length"),
             )
         )
     return rows
@@ -114,13 +116,14 @@ def render_markdown(rows: Sequence[ConfigRow], title: str | None = None) -> str:
     """A Markdown table of the rows, plus a per-task accuracy table when several tasks are present."""
     lines = [f"# {title}", ""] if title else []
     lines += [
-        "| Config | n | Accuracy (%) | E/T (%) | Tokens/s | Mean wall time / problem (s) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| Config | n | Accuracy (%) | E/T (%) | Tokens/s | Mean wall time / problem (s) | Cut at max tokens (%) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.config} | {r.n} | {_fmt(r.accuracy, '.2f', 100)} | {_fmt(r.ensemble_rate, '.2f', 100)} "
-            f"| {_fmt(r.tokens_per_s, '.1f')} | {_fmt(r.mean_wall_time_s, '.2f')} |"
+            f"| {_fmt(r.tokens_per_s, '.1f')} | {_fmt(r.mean_wall_time_s, '.2f')} "
+            f"| {_fmt(r.truncated / r.n if r.n else None, '.0f', 100)} |"
         )
     tasks = sorted({t for r in rows for t in r.by_task})
     if len(tasks) > 1:
@@ -180,13 +183,26 @@ def write_report(
     if isinstance(records, str | os.PathLike):
         source = str(records)
         records = load_records(records)
+    records = list(records)
     rows = aggregate(records)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md"}
-    payload = {"title": title, "source": source, "configs": [asdict(r) for r in rows]}
+    payload: dict[str, Any] = {"title": title, "source": source, "configs": [asdict(r) for r in rows]}
+    markdown = render_markdown(rows, title)
+    # Configurations run on different subsets (a long run split or cut short) are only comparable on the
+    # problems they all answered: report those too.
+    solved: dict[str, set[str]] = {}
+    for r in records:
+        if "config" in r and "problem_id" in r:
+            solved.setdefault(str(r["config"]), set()).add(str(r["problem_id"]))
+    common = set.intersection(*solved.values()) if solved else set()
+    if common and any(ids != common for ids in solved.values()):
+        shared = aggregate(r for r in records if str(r.get("problem_id")) in common)
+        payload["common_problems"] = {"n": len(common), "configs": [asdict(r) for r in shared]}
+        markdown += f"\n## The {len(common)} problems every configuration answered\n\n" + render_markdown(shared)
     paths["json"].write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    paths["md"].write_text(render_markdown(rows, title), encoding="utf-8")
+    paths["md"].write_text(markdown, encoding="utf-8")
     if plot:
         try:
             paths["png"] = plot_results(rows, out / "results.png", title)

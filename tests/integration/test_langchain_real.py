@@ -18,6 +18,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from langchain_safe import ChatSafe, SafeLLM
 from safe_engine import Ensemble
+from tests.langchain_flags import ChatSafeFlags
 
 pytestmark = pytest.mark.integration
 
@@ -30,66 +31,10 @@ def real_ensemble() -> Ensemble:
     return Ensemble.from_pretrained(MODELS)
 
 
-class TestChatSafeStandardIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatSafe]:
-        return ChatSafe
-
+class TestChatSafeStandardIntegration(ChatSafeFlags, ChatModelIntegrationTests):
     @property
     def chat_model_params(self) -> dict:
         return {"ensemble": real_ensemble(), "max_tokens": MAX_TOKENS}
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return True
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return True
-
-    @property
-    def has_structured_output(self) -> bool:
-        return True
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return False
-
-    @property
-    def supports_image_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_image_urls(self) -> bool:
-        return False
-
-    @property
-    def supports_pdf_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_audio_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_video_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_image_tool_message(self) -> bool:
-        return False
-
-    @property
-    def supports_pdf_tool_message(self) -> bool:
-        return False
-
-    @property
-    def supports_anthropic_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_model_override(self) -> bool:
-        return False
 
     # Where the 0.5B drafter, not the adapter, is the limit. Greedy decoding makes these deterministic,
     # but a change in the engine's verification could flip them, hence strict=False.

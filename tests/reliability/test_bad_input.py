@@ -170,13 +170,14 @@ def test_stop_strings_longer_than_the_output_are_harmless(ens2, baseline):
 
 def test_langchain_surfaces_the_same_errors(ens2, baseline):
     from langchain_safe import SafeLLM  # installed by the test extra: an import error fails the test
+
     llm = SafeLLM(ensemble=ens2, max_new_tokens=4)
     with pytest.raises(InputError, match="prompt is empty"):
         llm.invoke("")
     with pytest.raises(ConfigError, match="unknown"):
         llm.invoke(PROMPT, temprature=0.2)
-    # construction errors arrive wrapped in pydantic's ValidationError (a ValueError), message intact
-    with pytest.raises(ValueError, match="draft_length must be >= 1"):
+    # construction errors are the engine's own, not pydantic's ValidationError
+    with pytest.raises(ConfigError, match="draft_length must be >= 1"):
         SafeLLM(ensemble=ens2, draft_length=0)
     assert llm.invoke(PROMPT) == baseline
     still_works(ens2, baseline)

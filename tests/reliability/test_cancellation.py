@@ -68,6 +68,7 @@ def test_dropping_an_unfinished_stream_frees_everything(ens3, fresh):
 
 def test_langchain_stream_generator_close_frees_the_caches(ens3, fresh, monkeypatch):
     from langchain_safe import SafeLLM  # installed by the test extra: an import error fails the test
+
     recorder = StreamRecorder(monkeypatch)
     llm = SafeLLM(ensemble=ens3, max_new_tokens=200)
     chunks = llm.stream(PROMPT)
@@ -107,6 +108,7 @@ async def test_cancelling_a_task_mid_astream(ens3, fresh, monkeypatch):
 
 async def test_cancelling_langchain_astream_and_agenerate(ens3, fresh, monkeypatch):
     from langchain_safe import SafeLLM  # installed by the test extra: an import error fails the test
+
     recorder = StreamRecorder(monkeypatch)
     llm = SafeLLM(ensemble=ens3, max_new_tokens=400)
     started = asyncio.Event()

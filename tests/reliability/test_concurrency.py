@@ -129,6 +129,7 @@ async def test_engine_async_gather(ens, alone):
 
 def _langchain():
     from langchain_safe import SafeLLM  # installed by the test extra: an import error fails the test
+
     return SafeLLM
 
 

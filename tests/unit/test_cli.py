@@ -60,3 +60,38 @@ def test_models_list(capsys):
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"} <= {line.split()[0] for line in out.splitlines()}
+
+
+def test_bench_reports_ratios_next_to_floors_and_plots(model_dirs, tmp_path, capsys):
+    out, png = tmp_path / "speed.json", tmp_path / "speed.png"
+    argv = ["bench", "-m", model_dirs[0], "-m", model_dirs[1], "--lengths", "4", "8", "--threads", "1"]
+    assert main([*argv, "--out", str(out), "--plot", str(png)]) == 0
+    result = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == result
+    (run,) = result["runs"]
+    assert run["members"] == [m.rsplit("/", 1)[-1] for m in model_dirs] and set(run["t5_s"]) == set(run["members"])
+    for n in ("4", "8"):
+        row = run["lengths"][n]
+        assert set(row) == {
+            "hf_generate",
+            "ratios",
+            "single:unite",
+            "every_token:unite",
+            "every_token:gac",
+            "safe:unite",
+            "safe:gac",
+        }
+        assert row["single:unite"]["tokens"] == int(n) and row["single:unite"]["ensemble_rate"] == 0
+        ratios = row["ratios"]
+        assert ratios["single/hf_generate"]["floor"] == 1.0
+        assert 0 < ratios["safe/drafter_alone"]["floor"] < 1 < ratios["safe/every_token"]["floor"]
+        assert all(r["measured"] > 0 for r in ratios.values())
+    assert png.stat().st_size > 10_000
+    png.unlink()
+    md = tmp_path / "speed.md"
+    assert main(["bench", "--from-json", str(out), "--plot", str(png), "--markdown", str(md)]) == 0
+    assert png.stat().st_size > 10_000
+    table = md.read_text().splitlines()
+    assert len(table) == 4 and table[2].startswith(f"| {' + '.join(run['members'])} | 4 |")
+    floor = run["lengths"]["8"]["ratios"]["safe/drafter_alone"]["floor"]
+    assert f"({floor:.2f})" in table[3]

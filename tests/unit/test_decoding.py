@@ -35,6 +35,8 @@ def test_two_copies_reproduce_the_model_with_nothing_ensembled(family, aggregati
     assert safe.stats.ensembled_tokens == 0 and safe.stats.ensemble_rate == 0.0
     assert safe.stats.tokens == 30 and safe.finish_reason == "length"
     assert safe.stats.forward_passes[ens.names[1]] == safe.stats.rounds  # one verification pass a round
+    assert safe.stats.replaced_tokens == safe.stats.discarded_draft_tokens == 0
+    assert safe.stats.forward_passes[ens.names[0]] == 30  # no drafted token was thrown away
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama2"])
@@ -161,6 +163,19 @@ def test_weights_and_stats_invariants(members3):
     assert s.wall_time_s > 0 and s.tokens_per_s == pytest.approx(s.tokens / s.wall_time_s)
     assert set(s.forward_passes) == set(ens.names)
     assert all(v > 0 for v in s.prompt_tokens.values())
+
+
+def test_discarded_draft_tokens_account_for_the_drafters_extra_passes(members3):
+    """Drafter passes = kept drafted tokens + replaced ones + those thrown away after a replacement."""
+    ens = Ensemble(members3)
+    s = ens.generate(PROMPT, max_new_tokens=60, draft_length=5).stats
+    assert 0 < s.replaced_tokens <= s.ensembled_tokens
+    assert 0 < s.discarded_draft_tokens <= 4 * s.replaced_tokens  # at most draft_length - 1 per replacement
+    passes = s.forward_passes[ens.names[0]]
+    # each replacement adds >= 1 token of its own (more when the drafter spells the string in several)
+    assert passes - s.discarded_draft_tokens <= s.tokens
+    every = ens.generate(PROMPT, max_new_tokens=30, method="every_token").stats
+    assert every.discarded_draft_tokens == 0  # one-token drafts leave nothing to throw away
 
 
 def test_one_member_decodes_as_single_and_says_so():

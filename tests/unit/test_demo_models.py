@@ -289,8 +289,7 @@ def test_concurrent_fetch_in_processes(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-c", _CHILD, str(wheel_dir), PAYLOAD_SHA, str(log), *PARTS]
     procs = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(3)
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)
     ]
     outputs = [p.communicate(timeout=120) for p in procs]
     for proc, (out, err) in zip(procs, outputs, strict=True):
@@ -306,9 +305,7 @@ def test_pip_failure_reports_stderr_tail(monkeypatch, tmp_path):
 
     def fake_run(cmd, **kwargs):
         seen.append(cmd)
-        stderr = (
-            "\n".join(f"noise {i}" for i in range(50)) + "\nERROR: No matching distribution found for x==9"
-        )
+        stderr = "\n".join(f"noise {i}" for i in range(50)) + "\nERROR: No matching distribution found for x==9"
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr=stderr)
 
     monkeypatch.setattr(dm.subprocess, "run", fake_run)

@@ -324,9 +324,7 @@ def bbh_by_task(data_dir: Path) -> dict[str, Problem]:
         ("dyck_languages", "So the answer is ) }", ") ] }", False),
     ],
 )
-def test_bbh_grading(
-    bbh_by_task: dict[str, Problem], task: str, output: str, target: str, expected: bool
-) -> None:
+def test_bbh_grading(bbh_by_task: dict[str, Problem], task: str, output: str, target: str, expected: bool) -> None:
     base = bbh_by_task[task]
     problem = Problem(
         id="x",
@@ -492,10 +490,7 @@ def test_chat_prompts(data_dir: Path) -> None:
     msgs = chat_messages(bbh)
     assert [m["role"] for m in msgs] == ["user", "assistant"] * 3 + ["user"]
     assert msgs[0]["content"].startswith("Infer the date from context.")
-    assert (
-        msgs[1]["content"].startswith("Let's think step by step.")
-        and "So the answer is (D)." in msgs[1]["content"]
-    )
+    assert msgs[1]["content"].startswith("Let's think step by step.") and "So the answer is (D)." in msgs[1]["content"]
     assert len(chat_messages(bbh, fewshot=False)) == 1
 
 
@@ -630,6 +625,27 @@ def test_make_ensemble_config_chat_and_text(tmp_path: Path) -> None:
     assert records[0]["correct"] and records[0]["prediction"] == "1"
 
 
+def test_batched_single_config_answers_like_the_engines_single_method(tmp_path: Path) -> None:
+    """Left-padded batches (prompts of different lengths) give the engine's own greedy answers."""
+    from safe_engine import Ensemble
+    from safe_engine.eval import make_batched_single_config
+    from tests.conftest import tiny_member
+
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    member = tiny_member("qwen2.5-7b-instruct", 3)
+    questions = ["1+1?", "What is seven times six, in words?", "2?", "Tom has 3 apples and eats one. How many?", "x"]
+    problems = [Problem(id=f"q{i}", task="gsm8k", question=q, answer="0") for i, q in enumerate(questions)]
+    batched = make_batched_single_config(member, problems, batch_size=3, max_new_tokens=12)
+    engine = make_ensemble_config(Ensemble([member]), method="single", max_new_tokens=12)
+    records = run_eval({"batched": batched, "engine": engine}, problems, tmp_path / "b.jsonl", progress=False)
+    got = {(r["config"], r["problem_id"]): r for r in records}
+    for p in problems:
+        b, e = got["batched", p.id], got["engine", p.id]
+        assert b["text"] == e["text"] and b["tokens"] == e["tokens"] and b["finish_reason"] == e["finish_reason"]
+        assert b["method"] == "hf_generate_batched" and b["batch_size"] in (3, 2) and b["wall_time_s"] > 0
+
+
 def test_problem_seed_is_stable() -> None:
     assert problem_seed(1, "gsm8k/3") == problem_seed(1, "gsm8k/3")
     assert problem_seed(1, "gsm8k/3") != problem_seed(2, "gsm8k/3")
@@ -659,6 +675,7 @@ def test_report_aggregates_and_files(tmp_path: Path) -> None:
             "tokens": 300,
             "ensembled_tokens": 10,
             "wall_time_s": 2.0,
+            "finish_reason": "length",
         },
         {
             "config": "safe",
@@ -697,6 +714,7 @@ def test_report_aggregates_and_files(tmp_path: Path) -> None:
     assert safe.tokens_per_s == pytest.approx(500 / 5.0)
     assert safe.mean_wall_time_s == pytest.approx(5.0 / 3)
     assert safe.by_task["gsm8k"]["accuracy"] == 0.5 and safe.by_task["arc"]["n"] == 1
+    assert safe.truncated == 1 and single.truncated == 0
     assert single.n == 1 and single.accuracy == 1.0 and single.ensemble_rate == 0.0
     assert single.tokens_per_s == pytest.approx(100.0)
 
@@ -706,9 +724,13 @@ def test_report_aggregates_and_files(tmp_path: Path) -> None:
     assert data["source"] == str(jsonl) and [c["config"] for c in data["configs"]] == ["safe", "single"]
     assert data["configs"][0]["ensemble_rate"] == pytest.approx(0.05)
     md = paths["md"].read_text(encoding="utf-8")
-    assert "# GSM8K test" in md and "| safe | 3 | 66.67 | 5.00 | 100.0 | 1.67 |" in md
-    assert "| single | 1 | 100.00 | 0.00 | 100.0 | 0.50 |" in md and "per task" in md
+    assert "# GSM8K test" in md and "| safe | 3 | 66.67 | 5.00 | 100.0 | 1.67 | 33 |" in md
+    assert "| single | 1 | 100.00 | 0.00 | 100.0 | 0.50 | 0 |" in md and "per task" in md
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # single answered only problem a: the configurations are also compared on that one alone
+    assert data["common_problems"]["n"] == 1
+    assert {c["config"]: c["accuracy"] for c in data["common_problems"]["configs"]} == {"safe": 1.0, "single": 1.0}
+    assert "## The 1 problems every configuration answered" in md and "| safe | 1 | 100.00 | 10.00 |" in md
 
 
 def test_report_without_token_counts(tmp_path: Path) -> None:
@@ -716,6 +738,4 @@ def test_report_without_token_counts(tmp_path: Path) -> None:
     (row,) = aggregate(records)
     assert row.ensemble_rate is None and row.tokens_per_s is None and row.accuracy == 1.0
     paths = write_report(records, tmp_path, plot=False)
-    assert "png" not in paths and "| x | 1 | 100.00 | – | – | 1.00 |" in paths["md"].read_text(
-        encoding="utf-8"
-    )
+    assert "png" not in paths and "| x | 1 | 100.00 | – | – | 1.00 | 0 |" in paths["md"].read_text(encoding="utf-8")

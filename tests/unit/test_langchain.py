@@ -18,7 +18,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 from langchain_core.tools import tool
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from langchain_safe import ChatSafe, SafeLLM
 from langchain_safe._messages import ContentStream, new_tool_call_id, parse_reply, to_engine_messages
@@ -235,18 +235,20 @@ def test_llm_identity(llm):
 
 
 def test_construction_errors(ens):
-    with pytest.raises(ValidationError, match="exactly one of"):
+    with pytest.raises(ConfigError, match="exactly one of"):
         SafeLLM()
-    with pytest.raises(ValidationError, match="exactly one of"):
+    with pytest.raises(ConfigError, match="exactly one of"):
         SafeLLM(ensemble=ens, models=["smollm2-135m"])
-    with pytest.raises(ValidationError, match="only apply when loading"):
+    with pytest.raises(ConfigError, match="only apply when loading"):
         SafeLLM(ensemble=ens, drafter=1)
-    with pytest.raises(ValidationError, match="drafter must be"):
+    with pytest.raises(ConfigError, match="drafter must be"):
         ChatSafe(models=["a", "b"], drafter=2)
-    with pytest.raises(ValidationError, match="unknown method"):
+    with pytest.raises(ConfigError, match="unknown method"):
         SafeLLM(ensemble=ens, method="bogus")
-    with pytest.raises(ValidationError, match="draft_length"):
+    with pytest.raises(ConfigError, match="draft_length"):
         ChatSafe(ensemble=ens, draft_length=0)
+    with pytest.raises(ConfigError, match=r"ChatSafe: invalid top_k: .*integer.*'ten'"):
+        ChatSafe(ensemble=ens, top_k="ten")  # pydantic's own type check, reported as a ConfigError too
 
 
 def _save_tiny(tmp_path, name: str, seed: int):
@@ -642,7 +644,7 @@ def test_engine_errors_surface_as_safe_engine_errors(chat):
 
 
 def test_unknown_constructor_parameters_are_refused(ens):
-    with pytest.raises(ValidationError, match="unknown parameter"):
+    with pytest.raises(ConfigError, match="unknown parameter"):
         ChatSafe(ensemble=ens, max_new_token=5)
     # LangChain's standard hosted-model parameters are accepted (and have nothing to do here).
     assert ChatSafe(ensemble=ens, api_key="x", timeout=30, max_retries=1, streaming=True).streaming

@@ -31,7 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import safe_engine.ensemble
 from llamaindex_safe import SafeLLM
-from safe_engine import ChatTemplateError, Ensemble, Member, ModelLoadError
+from safe_engine import ChatTemplateError, ConfigError, Ensemble, InputTypeError, Member, ModelLoadError
 from tests.conftest import tiny_member, tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,24 +128,28 @@ def test_llama_index_namespace_package():
 
 # -- construction --------------------------------------------------------------------------------------------
 def test_construction_errors(ens):
-    with pytest.raises(ValueError, match="exactly one of"):
+    with pytest.raises(ConfigError, match="exactly one of"):
         SafeLLM()
-    with pytest.raises(ValueError, match="exactly one of"):
+    with pytest.raises(ConfigError, match="exactly one of"):
         SafeLLM(ensemble=ens, models=["smollm2-135m"])
-    with pytest.raises(TypeError, match=r"safe_engine\.Ensemble"):
+    with pytest.raises(InputTypeError, match=r"safe_engine\.Ensemble"):
         SafeLLM(ensemble="smollm2-135m")
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ConfigError, match="unknown method"):
         SafeLLM(ensemble=ens, method="nope")
-    with pytest.raises(ValueError, match="max_new_tokens"):
+    with pytest.raises(ConfigError, match="max_new_tokens"):
         SafeLLM(models=["a", "b"], max_new_tokens=0)
-    with pytest.raises(ValueError, match="drafter"):
+    with pytest.raises(ConfigError, match="drafter"):
         SafeLLM(models=["a", "b"], drafter=2)
-    with pytest.raises(ValueError, match="weights"):
+    with pytest.raises(ConfigError, match="weights"):
         SafeLLM(models=["a", "b"], weights=[1.0])
-    with pytest.raises(ValueError, match="non-empty list"):
+    with pytest.raises(ConfigError, match="non-empty list"):
         SafeLLM(models="smollm2-135m")
-    with pytest.raises(ValueError, match="apply to models"):
+    with pytest.raises(ConfigError, match="apply to models"):
         SafeLLM(ensemble=ens, weights=[1, 2])
+    with pytest.raises(ConfigError, match=r"invalid top_k: .*integer.*'ten'"):
+        SafeLLM(ensemble=ens, top_k="ten")
+    with pytest.raises(ConfigError, match=r"unknown parameter\(s\) \['max_new_token'\]"):
+        SafeLLM(ensemble=ens, max_new_token=5)  # a misspelt option is refused, not silently ignored
 
 
 def test_knobs_are_fields_and_serialise(ens):
