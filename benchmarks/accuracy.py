@@ -61,6 +61,7 @@ def main() -> None:
         merged = out / f"{args.task}.jsonl"
         records = [r for f in files for r in load_records(f)]
         if files != [merged]:
+            merged.parent.mkdir(parents=True, exist_ok=True)
             merged.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
         write_report(merged, out / args.task, title=title)
         return

@@ -234,12 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    if argv[:1] == ["bench"]:  # the benchmark has its own parser (argparse's REMAINDER drops leading options)
-        argv, rest = argv[:1], argv[1:]
-        args = parser.parse_args(argv)
-        args.rest = rest
-    else:
-        args = parser.parse_args(argv)
+    bench = argv[:1] == ["bench"]  # it has its own parser (argparse's REMAINDER drops leading options)
+    args = parser.parse_args(argv[:1] if bench else argv)
+    if bench:
+        args.rest = argv[1:]
     if getattr(args, "methods", ()) is None:
         args.methods = ["single", "safe:unite"]
     try:

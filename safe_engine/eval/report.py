@@ -45,6 +45,7 @@ class ConfigRow:
     mean_wall_time_s: float
     by_task: dict[str, dict[str, float]] = field(default_factory=dict)
     truncated: int = 0  # answers cut at max_new_tokens (finish_reason "length"): graded as they stand
+    batched: bool = False  # answered several problems per generate call: speed columns not comparable
 
 
 def _num(value: Any) -> float | None:
@@ -103,6 +104,7 @@ def aggregate(records: Iterable[Mapping[str, Any]]) -> list[ConfigRow]:
                 mean_wall_time_s=sum_wall / len(walls) if walls else 0.0,
                 by_task=dict(sorted(by_task.items())),
                 truncated=sum(1 for r in recs if r.get("finish_reason") == "length"),
+                batched=any((_num(r.get("batch_size")) or 1) > 1 for r in recs),
             )
         )
     return rows
@@ -121,10 +123,17 @@ def render_markdown(rows: Sequence[ConfigRow], title: str | None = None) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r.config} | {r.n} | {_fmt(r.accuracy, '.2f', 100)} | {_fmt(r.ensemble_rate, '.2f', 100)} "
+            f"| {r.config}{' †' if r.batched else ''} | {r.n} | {_fmt(r.accuracy, '.2f', 100)} "
+            f"| {_fmt(r.ensemble_rate, '.2f', 100)} "
             f"| {_fmt(r.tokens_per_s, '.1f')} | {_fmt(r.mean_wall_time_s, '.2f')} "
             f"| {_fmt(r.truncated / r.n if r.n else None, '.0f', 100)} |"
         )
+    if any(r.batched for r in rows):
+        lines += [
+            "",
+            "† answered several problems per batched `generate` call: its tokens/s and wall time are shares of a "
+            "batch, not comparable with one-at-a-time rows (compare speed with the speed benchmark).",
+        ]
     tasks = sorted({t for r in rows for t in r.by_task})
     if len(tasks) > 1:
         lines += [

@@ -349,14 +349,15 @@ def make_batched_single_config(
         for p, row in zip(batch, out[:, width:].tolist(), strict=True):
             ended = next((i for i, t in enumerate(row) if t in member.eos_ids), None)
             new = row if ended is None else row[:ended]
+            tokens = len(new) if ended is None else ended + 1  # the EOS counts, as in the engine's stats
             answers[p.id] = {
                 "text": member.tokenizer.decode(new, skip_special_tokens=True),
                 "finish_reason": "length" if ended is None else "eos",
-                "tokens": len(new) + (ended is not None),
+                "tokens": tokens,
                 "ensembled_tokens": 0,
                 "ensemble_rate": 0.0,
                 "wall_time_s": per_problem,
-                "tokens_per_s": (len(new) + (ended is not None)) / per_problem,
+                "tokens_per_s": tokens / per_problem,
                 "method": "hf_generate_batched",
                 "batch_size": len(batch),
                 "max_new_tokens": max_new_tokens,
