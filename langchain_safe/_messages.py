@@ -302,8 +302,20 @@ def _outermost_open(text: str, lo: int, hi: int) -> int:
     if first is None:
         return hi
     opened: list[int] = []
+    brackets, in_string = _json_brackets(text, first.start(), hi)
+    for i, ch in brackets:
+        if ch in "{[":
+            opened.append(i)
+        elif opened:
+            opened.pop()
+    return opened[0] if opened and not in_string else hi
+
+
+def _json_brackets(text: str, lo: int, hi: int) -> tuple[list[tuple[int, str]], bool]:
+    """(index, bracket) of each bracket of text[lo:hi] outside JSON strings, and whether a string is open at hi."""
+    found: list[tuple[int, str]] = []
     in_string = escaped = False
-    for i in range(first.start(), hi):
+    for i in range(lo, hi):
         ch = text[i]
         if in_string:
             if escaped:
@@ -314,11 +326,9 @@ def _outermost_open(text: str, lo: int, hi: int) -> int:
                 in_string = False
         elif ch == '"':
             in_string = True
-        elif ch in "{[":
-            opened.append(i)
-        elif ch in "}]" and opened:
-            opened.pop()
-    return opened[0] if opened and not in_string else hi
+        elif ch in "{[]}":
+            found.append((i, ch))
+    return found, in_string
 
 
 def _with_fence(text: str, start: int, end: int) -> tuple[int, int]:
@@ -333,20 +343,11 @@ def _with_fence(text: str, start: int, end: int) -> tuple[int, int]:
 def _close_json(text: str) -> Any:
     """Parse JSON that was cut off: close its open brackets, never inventing other text. None if that fails."""
     stack: list[str] = []
-    in_string = escaped = False
-    for i, ch in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
+    brackets, in_string = _json_brackets(text, 0, len(text))
+    for i, ch in brackets:
+        if ch in "{[":
             stack.append("}" if ch == "{" else "]")
-        elif ch in "}]":
+        else:
             if not stack or stack.pop() != ch:
                 return None
             if not stack and text[i + 1 :].strip():
