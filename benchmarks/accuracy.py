@@ -1,14 +1,32 @@
 """Accuracy of single models vs every-token and SAFE ensembles on the real demo models, resumable.
 
-    python benchmarks/accuracy.py --task gsm8k --limit 100 --out benchmarks/results
+One command per task (rerun the same command to resume; finished (configuration, problem) pairs are skipped):
 
-Members: Qwen2.5-Coder-0.5B-Instruct (drafter), SmolLM2-135M-Instruct, and with --three gemma-3-270m (a base
-model: it joins the chat ensemble through a plain "Question/Answer" chat template). Rerunning the same command
-skips finished (configuration, problem) pairs. Single-model rows answer `--batch` problems per transformers
-`generate` call (greedy; see make_batched_single_config); ensembles decode one problem at a time.
+    python benchmarks/accuracy.py --task bbh --limit 150 --threads 1 \\
+        --configs "qwen alone" "smollm2 alone" "gemma alone" --out benchmarks/results/accuracy
 
-On a small CPU machine, split the work over processes with one torch thread each (decoding is memory-bound, so
-two 1-thread processes do almost twice the work of one 2-thread process), each appending to its own file:
+writes OUT/TASK.jsonl, the report OUT/TASK/results.{md,json,png} and appends the run's wall and CPU time to
+OUT/timings.jsonl. Tasks: gsm8k, arc (ARC-Challenge), bbh (the BBH_SUBTASKS below, 3-shot CoT from
+cot-prompts), mmlu-redux, math500.
+
+Members: Qwen2.5-Coder-0.5B-Instruct (drafter), SmolLM2-135M-Instruct, and gemma-3-270m (a base model: it joins
+the chat ensemble through the plain "Question/Answer" chat template PLAIN_CHAT, and its single-model row stops
+at "\\nQuestion:", where it would start inventing the next question). Without --configs the pair's rows run;
+--three adds the gemma rows. A member is loaded only when a selected row needs it.
+
+Which problems (the same for every row, deterministic): gsm8k and arc the first LIMIT problems in file order;
+bbh the first LIMIT / len(subtasks) problems of each subtask in file order; mmlu-redux the
+subject-stratified first LIMIT (round-robin over the 57 subjects in alphabetical order, the first questions of
+each subject in file order, questions flagged by MMLU-redux as erroneous left out); see load_problems.
+
+Budgets: --max-new-tokens defaults to MAX_NEW_TOKENS[task], chosen so that fewer than 10 % of each member's
+answers are cut at the budget on a pilot of the first 32 problems (see benchmarks/results/accuracy/README.md).
+
+Single-model rows answer `--batch` problems per transformers `generate` call (greedy; see
+make_batched_single_config); ensemble rows decode `--ensemble-batch` problems together (continuous batching,
+each answer as if alone; default 8). On a small CPU machine, split the work
+over processes with one torch thread each (decoding is memory-bound, so two 1-thread processes do almost twice
+the work of one 2-thread process), each appending to its own file:
     python benchmarks/accuracy.py --threads 1 --configs "qwen alone" "smollm2 alone" --jsonl a.jsonl
     python benchmarks/accuracy.py --threads 1 --configs UniTE+SAFE --jsonl b.jsonl
 and write the report over all of them with `--report-only --jsonl a.jsonl b.jsonl`.
@@ -18,12 +36,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from functools import cache, partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from safe_engine import Ensemble, ModelSpec
 from safe_engine.eval import (
+    ConfigFn,
+    Problem,
     load_records,
     load_task,
     make_batched_single_config,
@@ -31,32 +58,139 @@ from safe_engine.eval import (
     run_eval,
     write_report,
 )
-from safe_engine.members import load_member
+from safe_engine.members import Member, load_member
 
 PLAIN_CHAT = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}Question: {{ m['content'] }}\n"
     "{% elif m['role'] == 'assistant' %}Answer: {{ m['content'] }}\n{% endif %}{% endfor %}Answer:"
 )
+#: Where a base model behind PLAIN_CHAT has finished its answer and starts the next question.
+PLAIN_CHAT_STOP = ("\nQuestion:",)
+
+#: Default max_new_tokens per task (the caps of the study: gsm8k 1024, CoT on bbh / arc / mmlu-redux 512).
+MAX_NEW_TOKENS: dict[str, int] = {"gsm8k": 1024, "arc": 512, "bbh": 512, "mmlu-redux": 512, "math500": 1024}
+
+#: BBH subtasks of the study: short answers (True/False, Yes/No, a count) that tiny models can attempt.
+BBH_SUBTASKS = ("boolean_expressions", "navigate", "object_counting", "sports_understanding", "web_of_lies")
+
+
+def load_problems(task: str, limit: int, start: int = 0, subtasks: tuple[str, ...] = BBH_SUBTASKS) -> list[Problem]:
+    """The problems of a run, deterministically: see the module docstring. ``start`` skips problems (per
+    subtask for bbh) so a run can be split."""
+    if task != "bbh":
+        return load_task(task, limit=start + limit)[start:]
+    per_task, extra = divmod(limit, len(subtasks))
+    out: list[Problem] = []
+    for i, sub in enumerate(subtasks):
+        n = per_task + (1 if i < extra else 0)
+        out += load_task(f"bbh:{sub}", limit=start + n)[start:]
+    return out
+
+
+def describe(task: str, limit: int, subtasks: tuple[str, ...]) -> str:
+    """The report title: which problems the rows answered."""
+    if task == "bbh":
+        return f"bbh (3-shot CoT): first {limit // len(subtasks)} problems of {', '.join(subtasks)}"
+    if task == "mmlu-redux":
+        return f"mmlu-redux: {limit} problems, the first of each subject round-robin"
+    return f"{task}: first {limit} problems"
+
+
+@cache
+def member(name: str) -> Member:
+    """A demo member, loaded once (gemma with the plain Question/Answer chat template)."""
+    if name == "gemma3-270m":
+        return load_member(ModelSpec(name, chat_template=PLAIN_CHAT))
+    return load_member(name)
+
+
+def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[str, Callable[[], ConfigFn]]:
+    """Row name -> a function building that row's configuration (loading its members on first use)."""
+    kw: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
+    qwen, smol, gemma = (partial(member, name) for name in ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"))
+
+    def pair() -> Ensemble:
+        return Ensemble([qwen(), smol()])
+
+    def single(m: Callable[[], Member], stop: tuple[str, ...] = ()) -> Callable[[], ConfigFn]:
+        return lambda: make_batched_single_config(m(), problems, batch_size=args.batch, stop=stop, **kw)
+
+    def ens(members: Callable[[], Ensemble], **settings: Any) -> Callable[[], ConfigFn]:
+        batch = {"problems": problems, "batch_size": args.ensemble_batch}
+        return lambda: make_ensemble_config(members(), **settings, **batch, **kw)
+
+    return {
+        "qwen alone": single(qwen),
+        "smollm2 alone": single(smol),
+        "UniTE every token": ens(pair, method="every_token", aggregation="unite"),
+        "GaC every token": ens(pair, method="every_token", aggregation="gac"),
+        "UniTE+SAFE": ens(pair, method="safe", aggregation="unite"),
+        "GaC+SAFE": ens(pair, method="safe", aggregation="gac"),
+        "UniTE+SAFE sampling": ens(pair, method="safe", do_sample=True, temperature=0.7, seed=args.seed),
+        "gemma alone": single(gemma, PLAIN_CHAT_STOP),
+        "UniTE+SAFE (3 models)": ens(lambda: Ensemble([qwen(), smol(), gemma()]), method="safe"),
+    }
+
+
+_GEMMA_ROWS = ("gemma alone", "UniTE+SAFE (3 models)")
+
+
+def append_timing(path: Path, entry: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(entry) + "\n")
+
+
+def write_timings(out: Path) -> Path:
+    """OUT/timings.json: per task, the summed wall and CPU time of its runs (OUT/timings.jsonl, one line per
+    invocation, model loading included) and of each row (its records' wall_time_s / cpu_time_s)."""
+    runs = load_records(out / "timings.jsonl")
+    summary: dict[str, Any] = {}
+    for task in sorted({str(r["task"]) for r in runs}):
+        mine = [r for r in runs if r["task"] == task]
+        rows: dict[str, dict[str, float]] = {}
+        for rec in load_records(out / f"{task}.jsonl"):
+            row = rows.setdefault(str(rec["config"]), {"n": 0, "wall_s": 0.0, "cpu_s": 0.0})
+            row["n"] += 1
+            row["wall_s"] += float(rec.get("wall_time_s") or 0.0)
+            row["cpu_s"] += float(rec.get("cpu_time_s") or 0.0)
+        summary[task] = {
+            "runs": len(mine),
+            "wall_s": round(sum(float(r["wall_s"]) for r in mine), 1),
+            "cpu_s": round(sum(float(r["cpu_s"]) for r in mine), 1),
+            "rows": {
+                k: {"n": v["n"], "wall_s": round(v["wall_s"], 1), "cpu_s": round(v["cpu_s"], 1)}
+                for k, v in rows.items()
+            },
+        }
+    path = out / "timings.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return path
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", default="gsm8k")
+    p.add_argument("--task", default="gsm8k", help="gsm8k, arc, bbh, mmlu-redux or math500")
     p.add_argument("--limit", type=int, default=100)
     p.add_argument("--start", type=int, default=0, help="skip the first START problems (to split a run)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--subtasks", nargs="+", default=list(BBH_SUBTASKS), help="bbh subtasks (default BBH_SUBTASKS)")
+    p.add_argument("--max-new-tokens", type=int, help="default: MAX_NEW_TOKENS[task]")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--three", action="store_true", help="add gemma-3-270m as a third member")
+    p.add_argument("--three", action="store_true", help="without --configs: also run the gemma-3-270m rows")
     p.add_argument("--configs", nargs="+", help="subset of configuration names to run")
     p.add_argument("--batch", type=int, default=16, help="problems per generate call for single-model rows")
+    p.add_argument("--ensemble-batch", type=int, default=8, help="problems decoded together by ensemble rows")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default="benchmarks/results", help="folder of the report (and default JSONL)")
     p.add_argument("--jsonl", nargs="+", help="results file(s) (default OUT/TASK.jsonl); runs append to the first")
     p.add_argument("--report-only", action="store_true", help="only write the report over the --jsonl files")
     args = p.parse_args()
+    subtasks = tuple(args.subtasks)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = MAX_NEW_TOKENS.get(args.task, 512)
     out = Path(args.out)
     files = [Path(f) for f in args.jsonl] if args.jsonl else [out / f"{args.task}.jsonl"]
-    title = f"{args.task}: first {args.limit} problems"
+    title = describe(args.task, args.limit, subtasks)
     if args.report_only:
         merged = out / f"{args.task}.jsonl"
         records = [r for f in files for r in load_records(f)]
@@ -64,34 +198,48 @@ def main() -> None:
             merged.parent.mkdir(parents=True, exist_ok=True)
             merged.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
         write_report(merged, out / args.task, title=title)
+        write_timings(out)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    problems = load_task(args.task, limit=args.start + args.limit)[args.start :]
-    qwen, smol = load_member("qwen2.5-coder-0.5b"), load_member("smollm2-135m")
-    pair = Ensemble([qwen, smol])
-    kw = {"max_new_tokens": args.max_new_tokens}
-    configs = {
-        "qwen alone": make_batched_single_config(qwen, problems, batch_size=args.batch, **kw),
-        "smollm2 alone": make_batched_single_config(smol, problems, batch_size=args.batch, **kw),
-        "UniTE every token": make_ensemble_config(pair, method="every_token", aggregation="unite", **kw),
-        "GaC every token": make_ensemble_config(pair, method="every_token", aggregation="gac", **kw),
-        "UniTE+SAFE": make_ensemble_config(pair, method="safe", aggregation="unite", **kw),
-        "GaC+SAFE": make_ensemble_config(pair, method="safe", aggregation="gac", **kw),
-        "UniTE+SAFE sampling": make_ensemble_config(
-            pair, method="safe", do_sample=True, temperature=0.7, seed=args.seed, **kw
-        ),
-    }
-    if args.three:
-        gemma = load_member(ModelSpec("gemma3-270m", chat_template=PLAIN_CHAT))
-        configs["gemma alone"] = make_ensemble_config(Ensemble([gemma]), method="single", **kw)
-        configs["UniTE+SAFE (3 models)"] = make_ensemble_config(Ensemble([qwen, smol, gemma]), method="safe", **kw)
-    if args.configs:
-        configs = {k: v for k, v in configs.items() if k in args.configs}
-    run_eval(configs, problems, files[0])
+    problems = load_problems(args.task, args.limit, args.start, subtasks)
+    factories = config_factories(problems, args)
+    names = args.configs or [n for n in factories if args.three or n not in _GEMMA_ROWS]
+    unknown = [n for n in names if n not in factories]
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; choose from {list(factories)}")
+
+    wall0, started = time.perf_counter(), datetime.now(UTC).isoformat(timespec="seconds")
+    status = "interrupted"
+    try:
+        configs = {n: factories[n]() for n in names}
+        run_eval(configs, problems, files[0])
+        status = "finished"
+    finally:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        append_timing(
+            out / "timings.jsonl",
+            {
+                "task": args.task,
+                "configs": names,
+                "limit": args.limit,
+                "start": args.start,
+                "max_new_tokens": args.max_new_tokens,
+                "batch": args.batch,
+                "threads": torch.get_num_threads(),
+                "jsonl": str(files[0]),
+                "started": started,
+                "status": status,
+                "wall_s": round(time.perf_counter() - wall0, 1),
+                "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),  # whole process, model loading included
+                "max_rss_mib": round(usage.ru_maxrss / 1024),
+                "argv": sys.argv[1:],
+            },
+        )
     if not args.jsonl:
         write_report(files[0], out / args.task, title=title)
+    write_timings(out)
 
 
 if __name__ == "__main__":

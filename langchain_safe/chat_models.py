@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from operator import itemgetter
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from safe_engine import Ensemble, GenerationResult
+from safe_engine import GenerationResult, StreamEvent
 from safe_engine.errors import ConfigError
+from safe_engine.tools import ToolCallHoldback, ToolCallParse, normalize_tool_choice
 
-from ._base import SafeParams, awith_result, drafter_prompt_tokens, with_result
-from ._messages import ContentStream, ParsedReply, to_engine_messages
+from ._base import SafeParams
+from ._messages import langchain_tool_calls, to_engine_messages
 
 
 class ChatSafe(SafeParams, BaseChatModel):
@@ -29,17 +33,20 @@ class ChatSafe(SafeParams, BaseChatModel):
         chat = ChatSafe(models=["qwen2.5-coder-0.5b", "smollm2-135m"], max_tokens=128)
         chat.invoke("Name three primary colours.")
 
-    Generation knobs are fields, overridable per call (see `SafeLLM`). Replies carry `usage_metadata`
-    (input tokens: the drafter's prompt; output tokens: the drafter's generated tokens) and
-    `response_metadata` with `finish_reason`, `ensemble_rate` (E/T) and the full `stats`.
+    Generation knobs are fields, overridable per call (see `SafeLLM`); `timeout` (seconds) is enforced
+    per generation (`GenerationTimeout`). Replies carry `usage_metadata` (input tokens: the drafter's
+    prompt; output tokens: the drafter's generated tokens) and `response_metadata` with `finish_reason`,
+    `ensemble_rate` (E/T) and the full `stats`.
 
     Tools: `bind_tools` passes OpenAI-style schemas to every member's chat template. Templates that
     render `tools` (Qwen2.5, Mistral v0.3, ...) use their own format; for members whose template ignores
     tools the engine describes them in that member's system message, asking for the same
-    ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` format. Tool calls are parsed from the
-    verified text (tagged, or a bare JSON object as small models often write); a malformed call becomes
-    an `invalid_tool_calls` entry. `tool_choice` ("any"/"required"/a tool name) cannot constrain
-    decoding; it adds an instruction to call the tool(s) to the system message.
+    ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` format. The engine reads the calls back
+    from the verified text (`safe_engine.tools`: tagged, or a bare JSON object as small models often
+    write); a malformed call becomes an `invalid_tool_calls` entry, and a stream never shows the start
+    of a call as content. Decoding is constrained by a grammar across the ensemble (`safe_engine.constrained`):
+    `tool_choice` "auto" allows text or valid calls, "any"/"required" one or more valid calls only, a tool
+    name exactly one call to it; `with_structured_output` output follows the schema.
     """
 
     streaming: bool = False
@@ -69,76 +76,99 @@ class ChatSafe(SafeParams, BaseChatModel):
         """Bind tools (any form `convert_to_openai_tool` accepts).
 
         `tool_choice`: None/"auto" (the model decides), "none" (tools are not shown), "any"/"required"/True
-        (must call one), a tool name or {"type": "function", "function": {"name": ...}} (must call it).
-        `parallel_tool_calls=False` keeps only the first call of a reply. `strict` is accepted for
-        compatibility and has no effect: arguments are parsed from free text, never schema-constrained.
+        (must call one), a tool name or {"type": "function", "function": {"name": ...}} (must call it); the
+        choice is enforced by the grammar the ensemble decodes under. `parallel_tool_calls=False`: one call
+        at most. `strict` is accepted for compatibility: calls always follow the tools' schemas.
         """
         del strict
         formatted = [convert_to_openai_tool(t) for t in tools]
-        names = [t["function"]["name"] for t in formatted]
-        choice = _normalise_tool_choice(tool_choice, names)
-        if choice is not None:
+        choice = normalize_tool_choice(tool_choice, formatted)  # an unknown tool name fails here, not later
+        if choice != "auto":
             kwargs["tool_choice"] = choice
         if parallel_tool_calls is not None:
             kwargs["parallel_tool_calls"] = parallel_tool_calls
         return super().bind(tools=formatted, **kwargs)
 
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        include_raw: bool = False,
+        method: str = "json_schema",
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | Any]:
+        """Replies parsed into `schema` (a Pydantic class, TypedDict, JSON schema or OpenAI tool schema), with
+        decoding constrained so the reply follows it, whichever member proposed the text:
+
+        - `method="json_schema"` (default): the reply is a JSON value of the schema (the members are also
+          told the schema in the system message);
+        - `method="function_calling"`: the schema is bound as a tool the reply must call;
+        - `method="json_mode"`: the reply is a JSON object (any keys: describe the format in your prompt).
+
+        A reply cut by `max_tokens` can still fail to parse: the parser then raises (or, with
+        `include_raw=True`, gives `parsed=None` and the `parsing_error`). `strict` is accepted for
+        compatibility: the output always follows the schema.
+        """
+        del strict
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        if method not in ("json_schema", "json_mode"):
+            raise ConfigError(f"unknown method {method!r}; use 'json_schema', 'function_calling' or 'json_mode'")
+        if kwargs:
+            raise ConfigError(f"unsupported argument(s) {sorted(kwargs)} for with_structured_output")
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        json_schema = {"type": "object"} if method == "json_mode" else convert_to_json_schema(schema)
+        llm = self.bind(
+            json_schema=json_schema, ls_structured_output_format={"kwargs": {"method": method}, "schema": schema}
+        )
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
+
     # -- generation ----------------------------------------------------------------------------------
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[dict[str, Any], ContentStream, bool]:
-        """(Ensemble.stream keyword arguments, content filter, keep only the first tool call)."""
+    ) -> tuple[dict[str, Any], ToolCallHoldback, bool]:
+        """(Ensemble.stream keyword arguments, the tool-call reader, keep only the first tool call)."""
         kwargs = dict(kwargs)
-        tools = kwargs.pop("tools", None) or None
+        tools = [convert_to_openai_tool(t) for t in kwargs.pop("tools", None) or ()]
         choice = kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", None)
-        if tools is not None:
-            tools = [convert_to_openai_tool(t) for t in tools]
+        json_schema = kwargs.pop("json_schema", None)
+        kwargs.pop("ls_structured_output_format", None)
         options = self._engine_options(stop, kwargs)
-        engine_messages = to_engine_messages(messages)
-        forced: str | None = None
-        if tools and choice not in (None, "auto"):
-            names = [t["function"]["name"] for t in tools]
-            choice = _normalise_tool_choice(choice, names)
-            if choice == "none":
-                tools = None
-            elif choice is not None and choice != "auto":
-                if choice == "any" and len(names) == 1:
-                    forced = names[0]
-                elif choice != "any":
-                    forced = choice
-                engine_messages = _with_tool_instruction(engine_messages, forced)
-        request = {"messages": engine_messages, **options}
-        if tools:
-            request["tools"] = tools
-        return request, ContentStream(tools, forced), parallel is False
+        request = {"messages": to_engine_messages(messages), **options}
+        if tools and normalize_tool_choice(choice, tools) != "none":
+            request.update(tools=tools, tool_choice=choice, parallel_tool_calls=parallel is not False)
+        if json_schema is not None:
+            request["json_schema"] = json_schema
+        return request, ToolCallHoldback(request.get("tools"), choice), parallel is False
 
-    def _final_chunk(
-        self, tail: str, parsed: ParsedReply, result: GenerationResult, ens: Ensemble, first_only: bool
-    ) -> ChatGenerationChunk:
-        fields = self._reply_fields(parsed, result, ens, first_only)
-        return ChatGenerationChunk(message=AIMessageChunk(content=tail, chunk_position="last", **fields))
-
-    def _reply_fields(
-        self, parsed: ParsedReply, result: GenerationResult, ens: Ensemble, first_only: bool
-    ) -> dict[str, Any]:
+    def _reply_fields(self, parsed: ToolCallParse, result: GenerationResult, first_only: bool) -> dict[str, Any]:
         """tool_calls, invalid_tool_calls, usage_metadata, response_metadata of the final message."""
-        calls, invalid = parsed.tool_calls, parsed.invalid_tool_calls
-        if first_only and calls:
-            calls, invalid = calls[:1], []
-        metadata = self._generation_info(result, ens)
+        calls, invalid = langchain_tool_calls(parsed.first_call_only() if first_only else parsed)
+        metadata = self._generation_info(result)
         metadata["model_provider"] = "safe"
+        prompt, output = self._prompt_tokens(result), int(result.stats.tokens)
         return {
             "tool_calls": calls,
             "invalid_tool_calls": invalid,
-            "usage_metadata": self._usage(result, ens),
+            "usage_metadata": UsageMetadata(input_tokens=prompt, output_tokens=output, total_tokens=prompt + output),
             "response_metadata": metadata,
         }
 
-    def _usage(self, result: GenerationResult, ens: Ensemble) -> UsageMetadata:
-        prompt = drafter_prompt_tokens(result, ens)
-        output = int(result.stats.tokens)
-        return UsageMetadata(input_tokens=prompt, output_tokens=output, total_tokens=prompt + output)
+    def _chunk(self, event: StreamEvent, holdback: ToolCallHoldback, first_only: bool) -> ChatGenerationChunk | None:
+        """The chunk for one stream event: the content that can be shown; the last one has the calls."""
+        text = holdback.feed(event.delta)
+        if event.result is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=text)) if text else None
+        text += holdback.flush()
+        fields = self._reply_fields(holdback.parsed, event.result, first_only)
+        return ChatGenerationChunk(message=AIMessageChunk(content=text, chunk_position="last", **fields))
 
     def _stream(
         self,
@@ -147,16 +177,10 @@ class ChatSafe(SafeParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        request, content, first_only = self._request(messages, stop, kwargs)
-        ens = self.get_ensemble()
-        for delta, result in with_result(lambda: ens.stream(**request)):
-            text = content.feed(delta)
-            if result is None:
-                if text:
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=text))
-                continue
-            tail, parsed = content.finish()
-            yield self._final_chunk(text + tail, parsed, result, ens, first_only)
+        request, holdback, first_only = self._request(messages, stop, kwargs)
+        for event in self._holder.events(**request):
+            if chunk := self._chunk(event, holdback, first_only):
+                yield chunk
 
     async def _astream(
         self,
@@ -165,16 +189,10 @@ class ChatSafe(SafeParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        request, content, first_only = self._request(messages, stop, kwargs)
-        ens = await self.aget_ensemble()
-        async for delta, result in awith_result(lambda: ens.astream(**request)):
-            text = content.feed(delta)
-            if result is None:
-                if text:
-                    yield ChatGenerationChunk(message=AIMessageChunk(content=text))
-                continue
-            tail, parsed = content.finish()
-            yield self._final_chunk(text + tail, parsed, result, ens, first_only)
+        request, holdback, first_only = self._request(messages, stop, kwargs)
+        async for event in await self._holder.aevents(**request):
+            if chunk := self._chunk(event, holdback, first_only):
+                yield chunk
 
     def _generate(
         self,
@@ -183,10 +201,8 @@ class ChatSafe(SafeParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        request, content, first_only = self._request(messages, stop, kwargs)
-        ens = self.get_ensemble()
-        result = ens.generate(**request)
-        return self._chat_result(content, result, ens, first_only)
+        request, holdback, first_only = self._request(messages, stop, kwargs)
+        return self._chat_result(holdback, self.get_ensemble().generate(**request), first_only)
 
     async def _agenerate(
         self,
@@ -195,51 +211,14 @@ class ChatSafe(SafeParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        request, content, first_only = self._request(messages, stop, kwargs)
-        ens = await self.aget_ensemble()
-        result = await ens.agenerate(**request)
-        return self._chat_result(content, result, ens, first_only)
+        request, holdback, first_only = self._request(messages, stop, kwargs)
+        ensemble = await self.aget_ensemble()
+        return self._chat_result(holdback, await ensemble.agenerate(**request), first_only)
 
-    def _chat_result(
-        self, content: ContentStream, result: GenerationResult, ens: Ensemble, first_only: bool
-    ) -> ChatResult:
-        content.feed(result.text)
-        _, parsed = content.finish()
-        message = AIMessage(content=parsed.content, **self._reply_fields(parsed, result, ens, first_only))
+    def _chat_result(self, holdback: ToolCallHoldback, result: GenerationResult, first_only: bool) -> ChatResult:
+        holdback.feed(result.text)
+        holdback.flush()
+        parsed = holdback.parsed
+        message = AIMessage(content=parsed.content, **self._reply_fields(parsed, result, first_only))
         info = {k: message.response_metadata[k] for k in ("finish_reason", "model_name")}
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])
-
-
-def _normalise_tool_choice(choice: Any, names: list[str]) -> str | None:
-    """None | "auto" | "none" | "any" | a tool name, from the forms LangChain callers use."""
-    if choice is None or choice is False:
-        return None
-    if choice is True or choice == "required":
-        return "any"
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") or choice.get("name")
-        if not isinstance(name, str):
-            raise ConfigError(f"tool_choice {choice!r} names no tool; use {{'function': {{'name': ...}}}}")
-        choice = name
-    if not isinstance(choice, str):
-        raise ConfigError(f"tool_choice must be a string, dict, bool or None, got {choice!r}")
-    if choice in ("auto", "none", "any"):
-        return choice
-    if choice not in names:
-        raise ConfigError(f"tool_choice {choice!r} is not a bound tool; bound tools: {names}")
-    return choice
-
-
-def _with_tool_instruction(messages: list[dict[str, Any]], forced: str | None) -> list[dict[str, Any]]:
-    """Ask for a tool call in the system message (decoding itself cannot be constrained)."""
-    # Measured on the demo models: a direct "must call" + "only the tool call" makes a 0.5B model answer
-    # with the call instead of talking about it.
-    instruction = (
-        f'You must call the tool "{forced}". Reply with only the tool call, no other text.'
-        if forced
-        else "You must call one of the tools. Reply with only the tool call(s), no other text."
-    )
-    if messages and messages[0]["role"] == "system":
-        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{instruction}".strip()}
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": instruction}, *messages]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -9,7 +10,9 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from ._base import SafeParams, awith_result, with_result
+from safe_engine import GenerationResult, StreamEvent
+
+from ._base import SafeParams
 
 
 class SafeLLM(SafeParams, BaseLLM):
@@ -21,10 +24,11 @@ class SafeLLM(SafeParams, BaseLLM):
         llm.invoke("The capital of France is")
 
     Every generation knob (`method`, `aggregation`, `draft_length`, `top_k`, `sharpening`,
-    `sharpen_threshold`, `max_new_tokens`/`max_tokens`, `temperature`, `top_p`, `do_sample`, `seed`) is a
-    field and can be overridden per call as a keyword argument. Streaming yields verified text only, and
-    `on_llm_new_token` receives exactly those deltas. `generation_info` carries `finish_reason`,
-    `ensemble_rate` (the paper's E/T) and the full `stats`.
+    `sharpen_threshold`, `max_new_tokens`/`max_tokens`, `temperature`, `top_p`, `do_sample`, `seed`,
+    `gates`, `trace`, `timeout_s`/`timeout`: every `GenerationConfig` field) is a field and can be
+    overridden per call as a keyword argument; `timeout` is enforced (`GenerationTimeout`). Streaming
+    yields verified text only, and `on_llm_new_token` receives exactly those deltas. `generation_info`
+    carries `finish_reason`, `ensemble_rate` (the paper's E/T) and the full `stats`.
     """
 
     @property
@@ -46,17 +50,13 @@ class SafeLLM(SafeParams, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         options = self._engine_options(stop, dict(kwargs))
-        ens = self.get_ensemble()
+        streams = [self._holder.events(prompt, **options) for prompt in prompts]  # all start: one batch
         generations = []
-        for prompt in prompts:
-            info: dict[str, Any] | None = None
-            text = ""
-            for delta, result in with_result(lambda p=prompt: ens.stream(p, **options)):
-                if delta and run_manager:
-                    run_manager.on_llm_new_token(delta)
-                if result is not None:
-                    text, info = result.text, self._generation_info(result, ens)
-            generations.append([Generation(text=text, generation_info=info)])
+        for events in streams:
+            for event in events:
+                if event.delta and run_manager:
+                    run_manager.on_llm_new_token(event.delta)
+            generations.append([self._generation(event.result)])
         return LLMResult(generations=generations, llm_output={"model_name": self.ensemble_name})
 
     async def _agenerate(
@@ -67,17 +67,14 @@ class SafeLLM(SafeParams, BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         options = self._engine_options(stop, dict(kwargs))
-        ens = await self.aget_ensemble()
-        generations = []
-        for prompt in prompts:
-            info: dict[str, Any] | None = None
-            text = ""
-            async for delta, result in awith_result(lambda p=prompt: ens.astream(p, **options)):
-                if delta and run_manager:
-                    await run_manager.on_llm_new_token(delta)
-                if result is not None:
-                    text, info = result.text, self._generation_info(result, ens)
-            generations.append([Generation(text=text, generation_info=info)])
+
+        async def one(prompt: str) -> Generation:  # the prompts decode concurrently: one batch
+            async for event in await self._holder.aevents(prompt, **options):
+                if event.delta and run_manager:
+                    await run_manager.on_llm_new_token(event.delta)
+            return self._generation(event.result)
+
+        generations = [[g] for g in await asyncio.gather(*(one(p) for p in prompts))]
         return LLMResult(generations=generations, llm_output={"model_name": self.ensemble_name})
 
     def _stream(
@@ -88,12 +85,10 @@ class SafeLLM(SafeParams, BaseLLM):
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
         options = self._engine_options(stop, dict(kwargs))
-        ens = self.get_ensemble()
-        for delta, result in with_result(lambda: ens.stream(prompt, **options)):
-            info = self._generation_info(result, ens) if result is not None else None
-            chunk = GenerationChunk(text=delta, generation_info=info)
+        for event in self._holder.events(prompt, **options):
+            chunk = self._chunk(event)
             if run_manager:
-                run_manager.on_llm_new_token(delta, chunk=chunk)
+                run_manager.on_llm_new_token(event.delta, chunk=chunk)
             yield chunk
 
     async def _astream(
@@ -104,10 +99,15 @@ class SafeLLM(SafeParams, BaseLLM):
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
         options = self._engine_options(stop, dict(kwargs))
-        ens = await self.aget_ensemble()
-        async for delta, result in awith_result(lambda: ens.astream(prompt, **options)):
-            info = self._generation_info(result, ens) if result is not None else None
-            chunk = GenerationChunk(text=delta, generation_info=info)
+        async for event in await self._holder.aevents(prompt, **options):
+            chunk = self._chunk(event)
             if run_manager:
-                await run_manager.on_llm_new_token(delta, chunk=chunk)
+                await run_manager.on_llm_new_token(event.delta, chunk=chunk)
             yield chunk
+
+    def _generation(self, result: GenerationResult) -> Generation:
+        return Generation(text=result.text, generation_info=self._generation_info(result))
+
+    def _chunk(self, event: StreamEvent) -> GenerationChunk:
+        info = self._generation_info(event.result) if event.result is not None else None
+        return GenerationChunk(text=event.delta, generation_info=info)

@@ -1,27 +1,28 @@
-"""`SafeLLM`: a LlamaIndex `CustomLLM` over a SAFE `Ensemble` (thin: every algorithmic step is the engine's).
+"""`SafeLLM`: a LlamaIndex `FunctionCallingLLM` (and `CustomLLM`) over a SAFE `Ensemble`.
 
-Construction follows `llama-index-llms-huggingface`'s `HuggingFaceLLM` (model spec + `device_map` + knobs
-as fields, `completion_to_prompt` / `messages_to_prompt` / `system_prompt`) and improves on it:
+Thin: every algorithmic step is the engine's. Construction follows `llama-index-llms-huggingface`'s
+`HuggingFaceLLM` (model spec + `device_map` + knobs as fields, `completion_to_prompt` /
+`messages_to_prompt` / `system_prompt`) and improves on it:
 
 * nothing is loaded until the first call (`models=[...]`), and `metadata` can be read before that:
   context windows and chat templates are peeked from the members' config files where that is cheap;
 * `chat` renders the conversation with *each member's own* chat template (the engine's `messages=`),
   not with a generic "role: content" transcript;
+* tool calling (`chat_with_tools`, `FunctionAgent`, `structured_predict`): the engine shows the tools to
+  each member's template and reads the calls back from the verified text (`safe_engine.tools`, the
+  same reader as the LangChain adapter's);
 * `stream_complete` applies `completion_to_prompt` exactly like `complete` does;
-* the async methods run loading, tokenisation and every decoding round in worker threads, so the event
-  loop keeps running (`HuggingFaceLLM` iterates a sync generator inside `astream_complete`);
+* the async methods run loading and tokenisation in worker threads, so the event loop keeps running
+  (`HuggingFaceLLM` iterates a sync generator inside `astream_complete`);
 * every response carries the ensemble statistics (E/T, rounds, forward passes) in `additional_kwargs` and
   `raw`, with `raw["usage"]` in the shape LlamaIndex's token counter reads.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
@@ -36,27 +37,50 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from llama_index.core.bridge.pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.constants import DEFAULT_CONTEXT_WINDOW
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.prompts import PromptTemplate
 
-from safe_engine import Ensemble, GenerationConfig, GenerationResult, ModelSpec, TextStream
-from safe_engine.errors import ConfigError, InputTypeError, from_validation_error
-from safe_engine.members import peek_spec, spec_name, unique_names
+from safe_engine import Ensemble, GenerationConfig, GenerationResult, ModelSpec, StreamEvent
+from safe_engine.errors import ConfigError, ToolCallError, from_validation_error
+from safe_engine.knobs import KNOB_NAMES, adapted, aliases
+from safe_engine.lazy import LOAD_OPTIONS, LazyEnsemble
+from safe_engine.members import peek_spec
+from safe_engine.tools import ToolCallHoldback, normalize_tool_choice
 
-_DEFAULTS = GenerationConfig()
+from ._messages import engine_message, keep_first_call, reply_message, tool_schema, tool_selections
+
 #: Names of the engine's generation options; per-call keyword arguments with these names override fields.
-GENERATION_OPTIONS: tuple[str, ...] = tuple(f.name for f in dataclass_fields(GenerationConfig))
-_ROLE_ALIASES = {MessageRole.CHATBOT.value: "assistant", MessageRole.MODEL.value: "assistant"}
-_MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name")
-_LOADING_OPTIONS = ("drafter", "weights", "device_map", "dtype", "trust_remote_code")
-_LOAD_LOCK = threading.Lock()  # one load at a time (process-wide: loads compete for memory anyway)
+GENERATION_OPTIONS: tuple[str, ...] = KNOB_NAMES
+# GenerationConfig's fields, with LlamaIndex's conventions: stop strings as a list, `timeout` in seconds.
+_KNOBS = adapted(
+    {
+        "stop": {"type": list[str], "default": [], "doc": "stop strings (excluded from the output)"},
+        "timeout_s": {"alias": "timeout", "doc": "wall-clock limit of one generation in seconds (alias timeout)"},
+    }
+)
+_ALIASES = aliases(_KNOBS)  # timeout -> timeout_s
+_GenerationKnobs: type[BaseModel] = create_model(
+    "GenerationKnobs", **{k.name: (k.type, Field(k.default, alias=k.alias, description=k.doc)) for k in _KNOBS}
+)
 
 
-class SafeLLM(CustomLLM):
-    """SAFE ensemble of causal LMs with different tokenizers, as a LlamaIndex LLM.
+class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
+    """SAFE ensemble of causal LMs with different tokenizers, as a LlamaIndex LLM that calls tools.
 
     Examples:
         ```python
@@ -69,9 +93,18 @@ class SafeLLM(CustomLLM):
 
     Pass either `ensemble=` (an already built `safe_engine.Ensemble`) or `models=[spec, ...]` (hub ids,
     directories, `.gguf` files, demo model names or `ModelSpec`s, loaded on first use with `drafter`,
-    `weights`, `device_map`, `dtype` and `trust_remote_code`). Generation options are fields and can be
-    overridden per call: `llm.complete(prompt, max_new_tokens=32, method="every_token")`.
+    `weights`, `device_map`, `dtype` and `trust_remote_code`). Generation options (every
+    `GenerationConfig` field) are fields and can be overridden per call:
+    `llm.complete(prompt, max_new_tokens=32, method="every_token")`; `timeout` is enforced per generation.
+
+    Tools: `chat_with_tools` / `FunctionAgent` / `structured_predict` work through the members' chat
+    templates; a reply's calls are `ToolCallBlock`s of its message (`get_tool_calls_from_response`), calls
+    that could not be read are in `raw["invalid_tool_calls"]`. Decoding follows a grammar across the
+    ensemble: with tools, text or valid calls; `tool_required` / `tool_choice` "required" only calls, a
+    tool name exactly one call to it; `structured_predict` output follows the output class's JSON schema.
     """
+
+    model_config = ConfigDict(populate_by_name=True)
 
     models: list[str | ModelSpec] | None = Field(
         default=None, description="Member specs, loaded lazily on first use (unused when ensemble= is given)."
@@ -84,19 +117,6 @@ class SafeLLM(CustomLLM):
     dtype: str | None = Field(default=None, description='e.g. "bfloat16"; default float32 on CPU, bf16 on GPU.')
     trust_remote_code: bool = Field(default=False, description="Allow models that ship their own code.")
 
-    method: str = Field(default=_DEFAULTS.method, description='"safe" | "every_token" | "single" (drafter alone).')
-    aggregation: str = Field(default=_DEFAULTS.aggregation, description='"unite" (top-k union) | "gac".')
-    draft_length: int = Field(default=_DEFAULTS.draft_length, description="Tokens drafted per round (n).")
-    top_k: int = Field(default=_DEFAULTS.top_k, description="Top-k of each member in the UniTE union (k).")
-    sharpening: str | None = Field(default=_DEFAULTS.sharpening, description='"heuristic" | "geometric" | None.')
-    sharpen_threshold: float = Field(default=_DEFAULTS.sharpen_threshold, description="Sharpening threshold λ.")
-    max_new_tokens: int = Field(default=_DEFAULTS.max_new_tokens, description="The maximum number of new tokens.")
-    stop: list[str] = Field(default_factory=list, description="Stop strings (excluded from the output).")
-    do_sample: bool = Field(default=_DEFAULTS.do_sample, description="Sample instead of greedy decoding.")
-    temperature: float = Field(default=_DEFAULTS.temperature, description="Sampling temperature.")
-    top_p: float = Field(default=_DEFAULTS.top_p, description="Nucleus sampling threshold.")
-    seed: int | None = Field(default=_DEFAULTS.seed, description="Seed for sampling.")
-
     context_window: int | None = Field(
         default=None,
         gt=0,
@@ -108,7 +128,7 @@ class SafeLLM(CustomLLM):
         description="Whether LlamaIndex should prefer chat(); default: True when every member has a chat template.",
     )
 
-    _ensemble: Ensemble | None = PrivateAttr(default=None)
+    _holder: LazyEnsemble = PrivateAttr()
     _peeked: tuple[int | None, bool] | None = PrivateAttr(default=None)
     _peek_done: bool = PrivateAttr(default=False)
 
@@ -119,30 +139,17 @@ class SafeLLM(CustomLLM):
         callback_manager: CallbackManager | None = None,
         **kwargs: Any,
     ) -> None:
-        if (ensemble is None) == (models is None):
-            raise ConfigError(
-                "SafeLLM needs exactly one of ensemble=Ensemble(...) or models=[spec, ...] "
-                "(hub ids, directories, .gguf files or demo names such as 'smollm2-135m')"
-            )
-        if ensemble is not None:
-            if not isinstance(ensemble, Ensemble):
-                raise InputTypeError(f"ensemble must be a safe_engine.Ensemble, got {type(ensemble).__name__}")
-            unset = {"drafter": ensemble.drafter_index, "trust_remote_code": False}
-            loading = sorted(k for k in _LOADING_OPTIONS if kwargs.get(k, unset.get(k)) != unset.get(k))
-            if loading:
-                raise ConfigError(
-                    f"{loading} apply to models=[...]; an Ensemble passed as ensemble= is already loaded "
-                    "(choose them in Ensemble(...) / Ensemble.from_pretrained(...))"
-                )
-            kwargs["drafter"] = ensemble.drafter_index
         dtype = kwargs.get("dtype")
         if dtype is not None and not isinstance(dtype, str):  # a torch.dtype: keep the field serialisable
             kwargs["dtype"] = str(dtype).removeprefix("torch.")
+        loading = {k: kwargs.get(k, default) for k, default in LOAD_OPTIONS.items()}
+        holder = LazyEnsemble(ensemble, models, owner=type(self).__name__, **loading)
+        kwargs["drafter"] = holder.drafter_index
         try:
-            super().__init__(models=models, callback_manager=callback_manager, **kwargs)
+            super().__init__(models=holder.specs, callback_manager=callback_manager, **kwargs)
         except ValidationError as err:  # this library's errors, not pydantic's
             raise from_validation_error(type(self).__name__, err) from err
-        self._ensemble = ensemble
+        self._holder = holder
 
     # -- validation -----------------------------------------------------------------------------------
     @model_validator(mode="before")
@@ -157,15 +164,6 @@ class SafeLLM(CustomLLM):
                 raise ConfigError(f"unknown parameter(s) {unknown} for {cls.__name__}; valid: {sorted(known)}")
         return data
 
-    @field_validator("models", mode="before")
-    @classmethod
-    def _check_models(cls, value: Any) -> Any:
-        if value is None:
-            return None
-        if isinstance(value, str | os.PathLike | ModelSpec) or not isinstance(value, Sequence) or not value:
-            raise ConfigError("models must be a non-empty list of model specs, e.g. ['smollm2-135m', 'gemma3-270m']")
-        return [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value]
-
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, value: Any) -> Any:
@@ -176,12 +174,6 @@ class SafeLLM(CustomLLM):
     @model_validator(mode="after")
     def _check_options(self) -> SafeLLM:
         GenerationConfig(**self._field_options())  # the engine's own checks, at construction time
-        if self.models is not None:
-            n = len(self.models)
-            if self.drafter >= n:
-                raise ConfigError(f"drafter must be an index in [0, {n - 1}], got {self.drafter}")
-            if self.weights is not None and len(self.weights) != n:
-                raise ConfigError(f"weights has {len(self.weights)} entries but models lists {n} specs")
         return self
 
     @classmethod
@@ -192,43 +184,12 @@ class SafeLLM(CustomLLM):
     @property
     def is_loaded(self) -> bool:
         """Whether the members are in memory (always true for `ensemble=`)."""
-        return self._ensemble is not None
+        return self._holder.is_loaded
 
     @property
     def ensemble(self) -> Ensemble:
         """The engine's `Ensemble`, loading the members on first access."""
-        if self._ensemble is None:
-            with _LOAD_LOCK:
-                if self._ensemble is None:
-                    self._ensemble = Ensemble.from_pretrained(
-                        self.models,
-                        drafter=self.drafter,
-                        weights=self.weights,
-                        device_map=self.device_map,
-                        dtype=self.dtype,
-                        trust_remote_code=self.trust_remote_code,
-                    )
-        return self._ensemble
-
-    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> SafeLLM:
-        """Copies share the loaded members (read-only, safe for concurrent requests) instead of duplicating them."""
-        memo = {} if memo is None else memo
-        if self._ensemble is not None:
-            memo[id(self._ensemble)] = self._ensemble
-        return super().__deepcopy__(memo)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """A `models=[...]` SafeLLM pickles as its specs and reloads lazily; weights travel only for `ensemble=`."""
-        if self.models is None or self._ensemble is None:
-            return super().__getstate__()
-        unloaded = self.model_copy()  # shallow: leaves this instance's members in place
-        unloaded._ensemble = None
-        return unloaded.__getstate__()
-
-    async def _aensemble(self) -> Ensemble:
-        if self._ensemble is not None:
-            return self._ensemble
-        return await asyncio.to_thread(lambda: self.ensemble)
+        return self._holder.get()
 
     # -- metadata -----------------------------------------------------------------------------------------
     @property
@@ -239,28 +200,22 @@ class SafeLLM(CustomLLM):
     def to_payload(self) -> dict[str, Any]:
         """What instrumentation events carry; never loads models (it runs on the event loop in async calls)."""
         payload = {"class_name": self.class_name(), **self._metadata(load=False).model_dump()}
-        payload.update(members=self._member_names(), drafter=self.drafter_name, method=self.method)
+        payload.update(members=self._holder.names, drafter=self.drafter_name, method=self.method)
         return payload
 
     @property
     def drafter_name(self) -> str:
-        if self._ensemble is not None:
-            return self._ensemble.names[self._ensemble.drafter_index]
-        return self._member_names()[self.drafter]
-
-    def _member_names(self) -> list[str]:
-        if self._ensemble is not None:
-            return list(self._ensemble.names)
-        return unique_names([spec_name(spec) for spec in self.models or ()])
+        return self._holder.drafter_name
 
     def _metadata(self, load: bool) -> LLMMetadata:
-        if self._ensemble is not None:
-            window = self._ensemble.context_window
-            chat = all(m.chat_template for m in self._ensemble.members)
+        if self._holder.is_loaded:
+            ensemble = self._holder.get()
+            window = ensemble.context_window
+            chat = all(m.chat_template for m in ensemble.members)
         else:
             peeked = self._peek()
             if peeked is None and load:
-                self.ensemble  # noqa: B018 - not cheaply known: load the members
+                self._holder.get()  # not cheaply known: load the members
                 return self._metadata(load=True)
             window, chat = peeked or (None, False)
         if self.context_window is not None:
@@ -269,7 +224,9 @@ class SafeLLM(CustomLLM):
             context_window=window or DEFAULT_CONTEXT_WINDOW,
             num_output=self.max_new_tokens,
             is_chat_model=chat if self.is_chat_model is None else self.is_chat_model,
-            model_name=self.model_name or "safe:" + "+".join(self._member_names()),
+            # tools need every member's own template (not a custom messages_to_prompt rendering)
+            is_function_calling_model=chat and not self._uses_custom_messages_to_prompt(),
+            model_name=self.model_name or "safe:" + "+".join(self._holder.names),
         )
 
     def _peek(self) -> tuple[int | None, bool] | None:
@@ -290,13 +247,14 @@ class SafeLLM(CustomLLM):
 
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         options = self._field_options()
-        unknown = sorted(k for k in kwargs if k not in GENERATION_OPTIONS)
+        given = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
+        unknown = sorted(k for k in given if k not in GENERATION_OPTIONS)
         if unknown:
             warnings.warn(
                 f"SafeLLM ignores unknown option(s) {unknown}; generation options are {list(GENERATION_OPTIONS)}",
                 stacklevel=4,
             )
-        options.update({k: v for k, v in kwargs.items() if k in GENERATION_OPTIONS})
+        options.update({k: v for k, v in given.items() if k in GENERATION_OPTIONS})
         return options
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
@@ -305,15 +263,29 @@ class SafeLLM(CustomLLM):
     def _uses_custom_messages_to_prompt(self) -> bool:
         return self.messages_to_prompt is not generic_messages_to_prompt
 
-    def _chat_request(self, messages: Sequence[ChatMessage]) -> dict[str, Any]:
-        """Engine arguments for a conversation: `messages=` for the members' own templates, or the
-        user's `messages_to_prompt` rendering as a raw prompt."""
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[dict, ToolCallHoldback]:
+        """(engine arguments, the tool-call reader) for a conversation: `messages=` for the members' own
+        templates, or the user's `messages_to_prompt` rendering as a raw prompt. Consumes the tool kwargs."""
+        tools = [tool_schema(t) for t in kwargs.pop("tools", None) or ()]
+        choice = kwargs.pop("tool_choice", None)
         if self._uses_custom_messages_to_prompt():
-            return {"prompt": self.messages_to_prompt(messages)}
-        converted = [_engine_message(m) for m in messages]
+            if tools:
+                raise ConfigError(
+                    "tools are shown to each member through its own chat template, which a custom "
+                    "messages_to_prompt replaces; drop messages_to_prompt to call tools"
+                )
+            return {"prompt": self.messages_to_prompt(messages), **self._options(kwargs)}, ToolCallHoldback(None)
+        converted = [engine_message(m) for m in messages]
         if self.system_prompt and not (converted and converted[0]["role"] == "system"):
             converted.insert(0, {"role": "system", "content": self.system_prompt})
-        return {"messages": converted}
+        json_schema = kwargs.pop("json_schema", None)
+        parallel = kwargs.pop("parallel_tool_calls", True)
+        request = {"messages": converted, **self._options(kwargs)}
+        if tools and normalize_tool_choice(choice, tools) != "none":
+            request.update(tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
+        if json_schema is not None:
+            request["json_schema"] = json_schema
+        return request, ToolCallHoldback(request.get("tools"), choice)
 
     # -- responses ---------------------------------------------------------------------------------------------
     def _extras(self, result: GenerationResult | None) -> dict[str, Any]:
@@ -328,41 +300,63 @@ class SafeLLM(CustomLLM):
             "total_tokens": prompt_tokens + stats["tokens"],
         }
         raw = {"finish_reason": result.finish_reason, "stats": stats, "usage": usage}
+        if result.trace is not None:
+            raw["trace"] = [p.to_dict() for p in result.trace]
         return {"additional_kwargs": {"finish_reason": result.finish_reason, **stats}, "raw": raw}
 
     def _completion(self, result: GenerationResult) -> CompletionResponse:
         return CompletionResponse(text=result.text, **self._extras(result))
 
-    def _chat(self, result: GenerationResult) -> ChatResponse:
+    def _chat(self, result: GenerationResult, reader: ToolCallHoldback) -> ChatResponse:
+        reader.feed(result.text)
+        reader.flush()
+        return self._chat_response(reader, reader.parsed.content, "", result)
+
+    def _chat_response(
+        self, reader: ToolCallHoldback, text: str, delta: str, result: GenerationResult | None
+    ) -> ChatResponse:
+        """A reply so far (the last one with its tool calls, and the invalid ones in raw)."""
+        if result is None:
+            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
         extras = self._extras(result)
-        message = ChatMessage(role=MessageRole.ASSISTANT, content=result.text)
-        return ChatResponse(message=message, **extras)
+        if reader.parsed.invalid:
+            extras["raw"]["invalid_tool_calls"] = reader.parsed.invalid
+        return ChatResponse(message=reply_message(reader.parsed), delta=delta, **extras)
 
-    def _stream_completions(self, deltas: Iterator[str], stream: TextStream) -> CompletionResponseGen:
+    def _completions(self, events: Iterator[StreamEvent]) -> CompletionResponseGen:
         text = ""
-        for delta, result in _with_results(deltas, stream):
-            text += delta
-            yield CompletionResponse(text=text, delta=delta, **self._extras(result))
+        for event in events:
+            text += event.delta
+            yield CompletionResponse(text=text, delta=event.delta, **self._extras(event.result))
 
-    async def _astream_completions(self, deltas: AsyncIterator[str], stream: TextStream) -> CompletionResponseAsyncGen:
+    async def _acompletions(self, events: AsyncIterator[StreamEvent]) -> CompletionResponseAsyncGen:
         text = ""
-        async for delta, result in _awith_results(deltas, stream):
-            text += delta
-            yield CompletionResponse(text=text, delta=delta, **self._extras(result))
+        async for event in events:
+            text += event.delta
+            yield CompletionResponse(text=text, delta=event.delta, **self._extras(event.result))
 
-    def _stream_chats(self, deltas: Iterator[str], stream: TextStream) -> ChatResponseGen:
+    def _chats(self, events: Iterator[StreamEvent], reader: ToolCallHoldback) -> ChatResponseGen:
         text = ""
-        for delta, result in _with_results(deltas, stream):
-            text += delta
-            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
-            yield ChatResponse(message=message, delta=delta, **self._extras(result))
+        for event in events:
+            if response := self._chat_chunk(event, reader, text):
+                text = response.message.content or ""
+                yield response
 
-    async def _astream_chats(self, deltas: AsyncIterator[str], stream: TextStream) -> ChatResponseAsyncGen:
+    async def _achats(self, events: AsyncIterator[StreamEvent], reader: ToolCallHoldback) -> ChatResponseAsyncGen:
         text = ""
-        async for delta, result in _awith_results(deltas, stream):
-            text += delta
-            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
-            yield ChatResponse(message=message, delta=delta, **self._extras(result))
+        async for event in events:
+            if response := self._chat_chunk(event, reader, text):
+                text = response.message.content or ""
+                yield response
+
+    def _chat_chunk(self, event: StreamEvent, reader: ToolCallHoldback, text: str) -> ChatResponse | None:
+        """The streamed reply after one event: only text that cannot turn into a tool call is shown."""
+        delta = reader.feed(event.delta)
+        if event.result is not None:
+            delta += reader.flush()
+        elif not delta:
+            return None
+        return self._chat_response(reader, text + delta, delta, event.result)
 
     # -- sync API ------------------------------------------------------------------------------------------------
     @llm_completion_callback()
@@ -375,98 +369,112 @@ class SafeLLM(CustomLLM):
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         """Stream of `CompletionResponse(text=<verified text so far>, delta=<new verified text>)`."""
         prompt = self._completion_prompt(prompt, formatted)
-        stream = self.ensemble.stream(prompt, **self._options(kwargs))  # loads and validates now, not lazily
-        return self._stream_completions(stream, stream)
+        return self._completions(self._holder.events(prompt, **self._options(kwargs)))  # starts (and checks) now
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """The assistant's reply, each member reading the conversation through its own chat template."""
-        return self._chat(self.ensemble.generate(**self._chat_request(messages), **self._options(kwargs)))
+        request, reader = self._chat_request(messages, kwargs)
+        return self._chat(self.ensemble.generate(**request), reader)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        stream = self.ensemble.stream(**self._chat_request(messages), **self._options(kwargs))
-        return self._stream_chats(stream, stream)
+        request, reader = self._chat_request(messages, kwargs)
+        return self._chats(self._holder.events(**request), reader)
 
-    # -- async API: loading, tokenisation and every decoding round run in worker threads --------------------------
+    # -- async API: loading and tokenisation run in worker threads ----------------------------------------------
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         prompt = self._completion_prompt(prompt, formatted)
-        ensemble = await self._aensemble()
+        ensemble = await self._holder.aget()
         return self._completion(await ensemble.agenerate(prompt, **self._options(kwargs)))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         prompt = self._completion_prompt(prompt, formatted)
-        stream = await self._astart({"prompt": prompt}, kwargs)
-        return self._astream_completions(_adeltas(stream), stream)
+        return self._acompletions(await self._holder.aevents(prompt, **self._options(kwargs)))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        request = self._chat_request(messages)
-        ensemble = await self._aensemble()
-        return self._chat(await ensemble.agenerate(**request, **self._options(kwargs)))
+        request, reader = self._chat_request(messages, kwargs)
+        ensemble = await self._holder.aget()
+        return self._chat(await ensemble.agenerate(**request), reader)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        stream = await self._astart(self._chat_request(messages), kwargs)
-        return self._astream_chats(_adeltas(stream), stream)
+        request, reader = self._chat_request(messages, kwargs)
+        return self._achats(await self._holder.aevents(**request), reader)
 
-    async def _astart(self, request: dict[str, Any], kwargs: dict[str, Any]) -> TextStream:
-        ensemble = await self._aensemble()
-        options = self._options(kwargs)
-        return await asyncio.to_thread(lambda: ensemble.stream(**request, **options))
+    # -- structured output ---------------------------------------------------------------------------------------
+    def structured_predict(
+        self,
+        output_cls: type[BaseModel],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> BaseModel:
+        """`output_cls` filled in by the ensemble, decoding under the class's JSON schema (always valid JSON of
+        it, unless cut by `max_new_tokens`)."""
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        response = self.chat(messages, json_schema=output_cls.model_json_schema(), **(llm_kwargs or {}))
+        return output_cls.model_validate_json(response.message.content or "")
 
+    async def astructured_predict(
+        self,
+        output_cls: type[BaseModel],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **prompt_args: Any,
+    ) -> BaseModel:
+        messages = prompt.format_messages(llm=self, **prompt_args)
+        response = await self.achat(messages, json_schema=output_cls.model_json_schema(), **(llm_kwargs or {}))
+        return output_cls.model_validate_json(response.message.content or "")
 
-# -- helpers ---------------------------------------------------------------------------------------------------
-def _with_results(deltas: Iterator[str], stream: TextStream) -> Iterator[tuple[str, GenerationResult | None]]:
-    """(delta, result-if-this-is-the-last-delta); a final ("", result) when the last round added no text,
-    so the statistics always arrive. Closing early frees the request's caches."""
-    carried = False
-    try:
-        for delta in deltas:
-            carried = stream.result is not None
-            yield delta, stream.result
-        if not carried:
-            yield "", stream.result
-    finally:
-        stream.close()
+    # -- FunctionCallingLLM ----------------------------------------------------------------------------------------
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """chat() arguments: the conversation, the tools' schemas, and "required" when a call must come."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(
+                ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg
+            )
+        if tool_choice is None and tool_required:
+            tool_choice = "required"
+        return {
+            "messages": messages,
+            "tools": [tool_schema(t) for t in tools],
+            "tool_choice": tool_choice,
+            "parallel_tool_calls": allow_parallel_tool_calls,
+            **kwargs,
+        }
 
+    def _validate_chat_with_tools_response(
+        self, response: ChatResponse, tools: Sequence[Any], allow_parallel_tool_calls: bool = False, **kwargs: Any
+    ) -> ChatResponse:
+        if not allow_parallel_tool_calls:
+            keep_first_call(response.message)
+        return response
 
-async def _awith_results(
-    deltas: AsyncIterator[str], stream: TextStream
-) -> AsyncIterator[tuple[str, GenerationResult | None]]:
-    carried = False
-    try:
-        async for delta in deltas:
-            carried = stream.result is not None
-            yield delta, stream.result
-        if not carried:
-            yield "", stream.result
-    finally:
-        await deltas.aclose()
-
-
-async def _adeltas(stream: TextStream) -> AsyncIterator[str]:
-    """Drive a TextStream from asyncio, one decoding round per worker-thread hop.
-
-    (The engine's `Ensemble.astream` does the same but hides the stream, whose `.result` carries the stats.)
-    """
-    sentinel = object()
-    try:
-        while True:
-            delta = await asyncio.to_thread(next, stream, sentinel)
-            if delta is sentinel:
-                return
-            yield delta
-    finally:
-        stream.close()
-
-
-def _engine_message(message: ChatMessage) -> dict[str, Any]:
-    role = message.role.value if isinstance(message.role, MessageRole) else str(message.role)
-    converted: dict[str, Any] = {"role": _ROLE_ALIASES.get(role, role), "content": message.content or ""}
-    for key in _MESSAGE_EXTRAS:
-        if message.additional_kwargs.get(key) is not None:
-            converted[key] = message.additional_kwargs[key]
-    return converted
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The reply's tool calls; with `error_on_no_tool_call`, a ToolCallError (a ValueError) when none."""
+        calls = tool_selections(response.message)
+        if not calls and error_on_no_tool_call:
+            invalid = (response.raw or {}).get("invalid_tool_calls") if isinstance(response.raw, dict) else None
+            why = f"; calls that could not be read: {invalid}" if invalid else ""
+            raise ToolCallError(
+                f"the ensemble replied without a tool call: {response.message.content!r:.200}{why}. Ask for one "
+                "(tool_required=True, or a clearer prompt), or pass error_on_no_tool_call=False"
+            )
+        return calls

@@ -1,19 +1,21 @@
 """SAFE: Stable And Fast LLM Ensembling over causal LMs with different tokenizers."""
 
 from .config import GenerationConfig
-from .ensemble import AsyncTextStream, Ensemble, TextStream
+from .ensemble import AsyncTextStream, Ensemble, StreamEvent, TextStream
 from .errors import (
     ChatTemplateError,
     ChecksumError,
     ConfigError,
+    GenerationTimeout,
     InputError,
     InputTypeError,
     MemberError,
     ModelLoadError,
     SafeEngineError,
+    ToolCallError,
 )
 from .members import Member, ModelSpec
-from .stats import EnsembleStats, GenerationResult
+from .stats import EnsemblePoint, EnsembleStats, GenerationResult
 
 __all__ = [
     "AsyncTextStream",
@@ -21,9 +23,11 @@ __all__ = [
     "ChecksumError",
     "ConfigError",
     "Ensemble",
+    "EnsemblePoint",
     "EnsembleStats",
     "GenerationConfig",
     "GenerationResult",
+    "GenerationTimeout",
     "InputError",
     "InputTypeError",
     "Member",
@@ -31,6 +35,8 @@ __all__ = [
     "ModelLoadError",
     "ModelSpec",
     "SafeEngineError",
+    "StreamEvent",
     "TextStream",
+    "ToolCallError",
 ]
 __version__ = "0.1.0"

@@ -1,7 +1,9 @@
 """Ensemble distributions over candidate *strings*, and probability sharpening.
 
 Members have different vocabularies, so their next-token distributions are compared on the bytes the
-tokens spell. A candidate is a byte string; `b""` stands for "end of sequence" (any member's EOS).
+tokens spell. Inside this module a candidate is a byte string and `EOS` (the empty string, which no real
+candidate can be) stands for "end of sequence" (any member's EOS); the decoder turns the pick into a typed
+`Pick`.
 
 - UniTE: the union of every member's top-k strings; each member's log-probs are renormalised over
   that union (a string a member lacks gets the probability of the first token it would use for it).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,16 +23,33 @@ from .members import Member
 from .rows import Row
 
 EOS = b""  # candidate string that ends the generation
-GAC_CANDIDATES = 64  # union entries kept after GaC aggregation (for sharpening and sampling)
+GAC_CANDIDATES = 64  # union entries kept after GaC aggregation (for sharpening and the trace)
+GAC_CONFIDENCE = 0.5  # GaC ensembles only where the drafter's top probability is below this (paper §4)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """What the ensemble chose at a position: some bytes of text, or the end of the sequence."""
+
+    text: bytes
+    eos: bool = False
+
+    @classmethod
+    def of(cls, candidate: bytes) -> Pick:
+        return cls(candidate, eos=candidate == EOS)
 
 
 @dataclass
 class Distribution:
-    """P_ens over candidate strings at one text offset, with each member's share."""
+    """P_ens over candidate strings at one text offset, with each member's share.
+
+    For GaC, `union_probs` is P_ens over the whole union vocabulary (`strings` holds its best entries).
+    """
 
     strings: list[bytes]
     probs: torch.Tensor  # [C] ensemble probability of each string
     member_probs: torch.Tensor  # [M, C] each member's probability of each string
+    union_probs: torch.Tensor | None = None
 
     def prob_of(self, s: bytes) -> float:
         return float(self.probs[self.strings.index(s)]) if s in self.strings else 0.0
@@ -46,7 +66,7 @@ def string_token(member: Member, row: Row, s: bytes) -> int | None:
     """The member's token for candidate s: its single token if it has one, else the first token it
     would spell s with; for EOS, its most likely end token. None if it cannot spell s."""
     if s == EOS:
-        eos = [i for i in member.eos_ids if i < member.vocab_size]
+        eos = eos_ids(member)
         return eos[int(torch.argmax(row.logprob(eos)))] if eos else None
     tid = member.vocab.id_of_bytes.get(s)
     if tid is None:
@@ -54,9 +74,27 @@ def string_token(member: Member, row: Row, s: bytes) -> int | None:
     return tid if tid is not None and tid < member.vocab_size else None
 
 
+def eos_ids(member: Member) -> list[int]:
+    return [i for i in sorted(member.eos_ids) if i < member.vocab_size]
+
+
 def top_strings(member: Member, row: Row, k: int) -> list[bytes]:
     """The member's k most likely tokens as candidate strings (control tokens other than EOS dropped)."""
     return [s for s in (token_string(member, i) for i in row.top(k)) if s is not None]
+
+
+def string_probs(member: Member, row: Row, strings: Sequence[bytes]) -> torch.Tensor:
+    """[C] the probability that this member's next token spells exactly each string (all ids that spell it,
+    e.g. SentencePiece's "▁" and "<0x20>"; all EOS ids for EOS). Speculative sampling's q over strings."""
+    groups = [eos_ids(member) if s == EOS else member.vocab.ids_of_bytes.get(s, []) for s in strings]
+    flat = [i for g in groups for i in g if i < member.vocab_size]
+    values = row.logprob(flat).exp() if flat else torch.zeros(0)
+    out, pos = torch.zeros(len(strings), dtype=torch.float64), 0
+    for c, g in enumerate(groups):
+        n = sum(1 for i in g if i < member.vocab_size)
+        out[c] = float(values[pos : pos + n].double().sum()) if n else 0.0
+        pos += n
+    return out
 
 
 def _member_matrix(members: Sequence[Member], rows: Sequence[Row], strings: list[bytes]) -> torch.Tensor:
@@ -70,13 +108,9 @@ def _member_matrix(members: Sequence[Member], rows: Sequence[Row], strings: list
     return out
 
 
-def unite(
-    members: Sequence[Member], rows: Sequence[Row], weights: torch.Tensor, top_k: int, extra: bytes | None
-) -> Distribution:
+def unite(members: Sequence[Member], rows: Sequence[Row], weights: torch.Tensor, top_k: int) -> Distribution:
     """UniTE: average of each member's distribution renormalised over the union of top-k strings."""
     strings = list(dict.fromkeys(s for m, row in zip(members, rows) for s in top_strings(m, row, top_k)))
-    if extra is not None and extra not in strings:
-        strings.append(extra)
     member_probs = torch.softmax(_member_matrix(members, rows, strings), dim=-1).nan_to_num(0.0)
     return Distribution(strings, weights @ member_probs, member_probs)
 
@@ -100,31 +134,43 @@ class UnionVocab:
         self.index = index
         self.strings = list(index)
         trash = len(self.strings)
-        self.maps = {key: torch.where(t < 0, trash, t) for key, t in maps.items()}
+        self._maps = {key: torch.where(t < 0, trash, t) for key, t in maps.items()}
+        self._on_device: dict[tuple[int, str], torch.Tensor] = {}
+        self._candidates: dict[int, Any] = {}
 
-    def gac(
-        self, members: Sequence[Member], rows: Sequence[Row], weights: torch.Tensor, extra: bytes | None
-    ) -> Distribution:
+    def candidates(self, drafter: Member) -> Any:
+        """The union's strings as `constrained.Candidates` for `drafter` (built once: ~50 ms)."""
+        from .constrained import Candidates
+
+        table = self._candidates.get(id(drafter))
+        if table is None:
+            table = self._candidates[id(drafter)] = Candidates(self.strings, drafter)
+        return table
+
+    def mapped(self, member: Member, row: Row) -> torch.Tensor:
+        """[U] the member's full distribution summed into the union (on the CPU)."""
+        values = row.full()  # GaC needs every member's whole distribution
+        key = (id(member), str(values.device))
+        index = self._on_device.get(key)
+        if index is None:
+            index = self._on_device[key] = self._maps[id(member)].to(values.device)
+        total = torch.zeros(len(self.strings) + 1, device=values.device)
+        total.index_add_(0, index[: values.shape[0]], values.exp())
+        return total[:-1].cpu()
+
+    def gac(self, members: Sequence[Member], rows: Sequence[Row], weights: torch.Tensor) -> Distribution:
         """GaC: weighted sum of full distributions mapped into the union; keep the best candidates."""
-        total = torch.zeros(len(self.strings) + 1)
-        for w, member, row in zip(weights.tolist(), members, rows):
-            values = row.full()  # GaC needs every member's whole distribution
-            total.index_add_(0, self.maps[id(member)][: values.shape[0]], values.exp() * w)
-        probs = total[:-1]
+        probs = sum(w * self.mapped(m, row) for w, m, row in zip(weights.tolist(), members, rows))
         top = torch.topk(probs, min(GAC_CANDIDATES, probs.shape[0])).indices.tolist()
         strings = [self.strings[i] for i in top]
-        if extra is not None and extra not in strings:
-            strings.append(extra)
-            top.append(self.index.get(extra, -1))
-        picked = torch.tensor([float(probs[i]) if i >= 0 else 0.0 for i in top])
         member_probs = _member_matrix(members, rows, strings).exp()
-        return Distribution(strings, picked, member_probs)
+        return Distribution(strings, probs[top], member_probs, union_probs=probs)
 
 
 def sharpen(
     dist: Distribution, drafter_strings: list[bytes], method: str | None, threshold: float, weights: torch.Tensor
-) -> torch.Tensor:
-    """Scores to pick from; unchanged unless the ensemble is unsure (max P_ens < 0.5).
+) -> torch.Tensor | None:
+    """Scores to pick from, or None when the ensemble is sure enough (max P_ens >= 0.5) to leave it alone.
 
     heuristic: a drafter top-k string s with P_ens(s) > λ also receives the mass of every candidate that
     extends it ("Inc" collects "Incorrect"), because that mass is the same word split differently.
@@ -132,7 +178,7 @@ def sharpen(
     """
     probs = dist.probs
     if method is None or float(probs.max()) >= 0.5:
-        return probs
+        return None
     if method == "geometric":
         geo = torch.exp(weights @ torch.log(dist.member_probs.clamp_min(1e-30)))
         return geo / geo.sum()

@@ -1,25 +1,30 @@
 """Speed benchmark: every configuration side by side in one run, with the ratios' floors.
 
 Per member m, measured here in the same process: t_m, the per-token time of transformers' own greedy
-`generate`, and t5_m, one 5-token forward over a cached prompt (what one verification costs). With the
-drafter d, verifiers v and draft length n, ideal per-token costs are
-    single      t_d
-    every_token t_d + Σ t_v           (every model steps once per token)
-    safe        t_d + Σ t5_v / n      (one verification pass per n drafted tokens, no rollbacks)
-so the floors of the throughput ratios are t_d / (t_d + Σ t5_v / n) for safe / drafter_alone and
-(t_d + Σ t_v) / (t_d + Σ t5_v / n) for safe / every_token. Ensemble points cost extra rounds on top.
+`generate`; t5_m and t1_m, a 5-token and a 1-token forward over a cached prompt (what a verification costs).
+With the drafter d, verifiers v and n drafted tokens per round, ideal per-token costs are
+    single          t_d
+    every_token     t_d + Σ t_v                  (every model steps once per token)
+    safe, rounds    t_d + Σ t5_v / n             (one verification pass per round, no replacements)
+    safe, overlap   max(t_d, Σ t1_v)             (verifiers score one token behind, on another core)
+so the floor of safe / drafter_alone is t_d over that cost (n = the run's drafted tokens per round, for the
+adaptive draft). Ensemble points cost extra drafter passes on top (replaced and discarded tokens).
+A run with `--neighbour` keeps one core busy with a matrix-multiply loop, to show what overlap needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +35,15 @@ PROMPT = (
     "Write a detailed, friendly explanation for a curious twelve-year-old of how a bicycle works: "
     "the frame, the wheels, the chain and gears, the brakes, and why riding it keeps you balanced.\n\n"
 )
-CONFIGS = (("single", "unite"), ("every_token", "unite"), ("every_token", "gac"), ("safe", "unite"), ("safe", "gac"))
+CONFIGS: dict[str, dict] = {
+    "single": {"method": "single"},
+    "every_token": {"method": "every_token"},
+    "safe rounds": {"schedule": "rounds", "adaptive_draft": False},
+    "safe + adaptive draft": {"schedule": "rounds", "adaptive_draft": True},
+    "safe + overlap": {"schedule": "overlap", "adaptive_draft": False},
+    "safe default": {},  # what a user gets: schedule="auto", adaptive_draft=True
+}
+BASELINE = "safe rounds"  # where greedy output is compared against
 
 
 class PeakRSS:
@@ -84,80 +97,103 @@ def verify_forward(member: Member, prompt: str, k: int = 5, repeats: int = 5) ->
     return statistics.median(times)
 
 
-def engine_run(ens: Ensemble, method: str, aggregation: str, n: int) -> dict:
+def engine_run(ens: Ensemble, n: int, **options: Any) -> dict:
     with PeakRSS() as mem:
-        res = ens.generate(PROMPT, max_new_tokens=n, method=method, aggregation=aggregation)
+        res = ens.generate(PROMPT, max_new_tokens=n, **options)
     s = res.stats
+    drafter = ens.names[ens.drafter_index]
     return {
         "tokens": s.tokens,
         "wall_s": s.wall_time_s,
         "tokens_per_s": s.tokens_per_s,
         "s_per_token": s.wall_time_s / max(s.tokens, 1),
         "ensemble_rate": s.ensemble_rate,
+        "replaced_tokens": s.replaced_tokens,
+        "discarded_draft_tokens": s.discarded_draft_tokens,
         "rounds": s.rounds,
+        "drafted_per_round": s.forward_passes.get(drafter, 0) / max(s.rounds, 1),
         "forward_passes": s.forward_passes,
         "finish_reason": res.finish_reason,
         "peak_rss_mib": mem.peak,
+        "text": res.text,
     }
 
 
-def bench_ensemble(specs: Sequence[str], lengths: Sequence[int], configs=CONFIGS, draft_length: int = 5) -> dict:
+def first_difference(a: str, b: str) -> int | None:
+    """Index of the first character where two texts differ (None when equal)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def floor(config: dict, run: dict, t_d: float, t5: Sequence[float], t1: Sequence[float], n: int) -> float | None:
+    """safe / drafter_alone if nothing but the schedule cost time (see the module docstring)."""
+    if config.get("method") in ("single", "every_token"):
+        return None
+    if config.get("schedule") == "overlap" or (run["rounds"] > run["tokens"] and run["drafted_per_round"] <= 1.05):
+        return t_d / max(t_d, sum(t1))
+    drafted = run["drafted_per_round"] if config.get("adaptive_draft", True) else n
+    return t_d / (t_d + sum(t5) / max(drafted, 1.0))
+
+
+def bench_ensemble(
+    specs: Sequence[str], lengths: Sequence[int], configs: dict[str, dict] = CONFIGS, draft_length: int = 5
+) -> dict:
     members = [load_member(s) for s in specs]
     ens = Ensemble(members)
     ens.generate(PROMPT, max_new_tokens=2)  # warm-up (allocator, first-call paths)
     drafter, verifiers = members[0], members[1:]
     out: dict = {"members": list(ens.names), "drafter": ens.names[0], "lengths": {}}
     t5 = {m.name: verify_forward(m, PROMPT) for m in members}
-    out["t5_s"] = t5
+    t1 = {m.name: verify_forward(m, PROMPT, k=1) for m in members}
+    out["t5_s"], out["t1_s"] = t5, t1
     for n in lengths:
-        row: dict = {"hf_generate": {m.name: hf_per_token(m, PROMPT, n) for m in members}}
-        for method, aggregation in configs:
-            row[f"{method}:{aggregation}"] = engine_run(ens, method, aggregation, n)
-        t = {name: r["s_per_token"] for name, r in row["hf_generate"].items()}
-        t_d = t[drafter.name]
-        safe_cost = t_d + sum(t5[v.name] for v in verifiers) / draft_length
-        floors = {
-            "safe/drafter_alone": t_d / safe_cost,
-            "safe/every_token": (t_d + sum(t[v.name] for v in verifiers)) / safe_cost,
-            "single/hf_generate": 1.0,
-        }
-        hf_tps = row["hf_generate"][drafter.name]["tokens_per_s"]
-        ratios = {
-            "safe/drafter_alone": row["safe:unite"]["tokens_per_s"] / hf_tps if "safe:unite" in row else None,
-            "safe/every_token": (row["safe:unite"]["tokens_per_s"] / row["every_token:unite"]["tokens_per_s"])
-            if "safe:unite" in row and "every_token:unite" in row
-            else None,
-            "single/hf_generate": row["single:unite"]["tokens_per_s"] / hf_tps if "single:unite" in row else None,
-        }
-        row["ratios"] = {k: {"measured": ratios[k], "floor": floors[k]} for k in floors}
+        hf = {m.name: hf_per_token(m, PROMPT, n) for m in members}
+        row: dict = {"hf_generate": hf, "configs": {}}
+        for name, options in configs.items():
+            row["configs"][name] = engine_run(ens, n, draft_length=draft_length, **options)
+        t_d = hf[drafter.name]["s_per_token"]
+        hf_tps = hf[drafter.name]["tokens_per_s"]
+        t5_v, t1_v = [t5[v.name] for v in verifiers], [t1[v.name] for v in verifiers]
+        every_cost = t_d + sum(hf[v.name]["s_per_token"] for v in verifiers)
+        base = row["configs"].get(BASELINE)
+        for name, run in row["configs"].items():
+            run["vs_drafter_alone"] = run["tokens_per_s"] / hf_tps
+            run["floor_vs_drafter_alone"] = floor(configs[name], run, t_d, t5_v, t1_v, draft_length)
+            run["diverges_from_rounds_at_char"] = first_difference(base["text"], run["text"]) if base else None
+        row["floor_every_token_vs_drafter_alone"] = t_d / every_cost
         out["lengths"][str(n)] = row
-        print(json.dumps({"n": n, "ratios": row["ratios"]}), file=sys.stderr, flush=True)
+        summary = {k: round(v["vs_drafter_alone"], 3) for k, v in row["configs"].items()}
+        print(json.dumps({"n": n, "vs_drafter_alone": summary}), file=sys.stderr, flush=True)
     return out
 
 
 def speed_table(results: Sequence[dict]) -> str:
-    """Markdown: tokens/s and E/T per configuration, and each ratio next to its floor, per set and length."""
+    """Markdown: per member set and length, each configuration's tokens/s, its ratio to the drafter alone
+    (floor), E/T, replacements, discarded draft tokens, passes per member and its divergence from rounds."""
     lines = [
-        "| members | new tokens | drafter alone (HF) tok/s | single | every_token UniTE / GaC | SAFE UniTE / GaC "
-        "| SAFE E/T UniTE / GaC | safe/drafter_alone (floor) | safe/every_token (floor) | single/hf_generate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| members | new tokens | configuration | tok/s | vs drafter alone (floor) | E/T | replaced | discarded "
+        "| drafted/round | passes | diverges from rounds at char |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for result in results:
+        neighbour = " (busy neighbour)" if result.get("neighbour") else ""
         for run in result["runs"]:
+            members = " + ".join(run["members"]) + neighbour
             for n, row in run["lengths"].items():
-                cells = [" + ".join(run["members"]), n, f"{row['hf_generate'][run['drafter']]['tokens_per_s']:.2f}"]
-                for keys, field, fmt in (
-                    (["single:unite"], "tokens_per_s", ".2f"),
-                    (["every_token:unite", "every_token:gac"], "tokens_per_s", ".2f"),
-                    (["safe:unite", "safe:gac"], "tokens_per_s", ".2f"),
-                    (["safe:unite", "safe:gac"], "ensemble_rate", ".0%"),
-                ):
-                    cells.append(" / ".join(format(row[k][field], fmt) if k in row else "–" for k in keys))
-                for name, ratio in row["ratios"].items():
-                    measured = "–" if ratio["measured"] is None else f"{ratio['measured']:.2f}"
-                    floor = "" if name == "single/hf_generate" else f" ({ratio['floor']:.2f})"
-                    cells.append(measured + floor)
-                lines.append("| " + " | ".join(cells) + " |")
+                hf = row["hf_generate"][run["drafter"]]
+                tps = hf["tokens_per_s"]
+                lines.append(f"| {members} | {n} | drafter alone (HF generate) | {tps:.2f} | 1.00 |||||||")
+                for name, r in row["configs"].items():
+                    fl = r.get("floor_vs_drafter_alone")
+                    ratio = f"{r['vs_drafter_alone']:.2f}" + (f" ({fl:.2f})" if fl else "")
+                    passes = ", ".join(f"{k}={v}" for k, v in r["forward_passes"].items())
+                    div = r.get("diverges_from_rounds_at_char")
+                    lines.append(
+                        f"| {members} | {n} | {name} | {r['tokens_per_s']:.2f} | {ratio} | {r['ensemble_rate']:.0%} "
+                        f"| {r['replaced_tokens']} | {r['discarded_draft_tokens']} | {r['drafted_per_round']:.1f} "
+                        f"| {passes} | {'–' if div is None else div} |"
+                    )
     return "\n".join(lines) + "\n"
 
 
@@ -177,11 +213,8 @@ def plot_speed(results: Sequence[dict], path: str | Path) -> None:
         for run in result["runs"]:
             lines = panels.setdefault(tuple(run["members"]), {})
             for n, row in run["lengths"].items():
-                for name, entry in row.items():
-                    if name == "ratios":
-                        continue
-                    if name == "hf_generate":
-                        name, entry = f"hf_generate ({run['drafter']} alone)", entry[run["drafter"]]
+                entries = {f"hf_generate ({run['drafter']} alone)": row["hf_generate"][run["drafter"]]}
+                for name, entry in {**entries, **row["configs"]}.items():
                     lines.setdefault(name, {})[int(n)] = entry["wall_s"]
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, (members, lines) in zip(axes[0], panels.items()):
@@ -198,11 +231,27 @@ def plot_speed(results: Sequence[dict], path: str | Path) -> None:
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def busy_neighbour(enabled: bool) -> Iterator[None]:
+    """A process multiplying matrices on one thread for as long as the block runs (a core taken)."""
+    if not enabled:
+        yield
+        return
+    code = "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True:\n    a = (a @ a).tanh()\n"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="safe-engine bench", description=__doc__.splitlines()[0])
     p.add_argument("-m", "--model", dest="models", action="append", help="member spec (repeat; first = drafter)")
     p.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 512])
-    p.add_argument("--configs", nargs="+", help="METHOD:AGGREGATION list (default: all five)")
+    p.add_argument("--configs", nargs="+", help=f"configuration names (default: all of {list(CONFIGS)})")
+    p.add_argument("--neighbour", action="store_true", help="keep one core busy meanwhile (a matmul loop)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     p.add_argument("--plot", help="write a PNG of wall time vs new tokens")
@@ -228,13 +277,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             ["qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"],
         ]
     )
-    configs = [tuple(c.split(":", 1)) for c in args.configs] if args.configs else CONFIGS
-    result = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "torch_threads": torch.get_num_threads(),
-        "prompt": PROMPT,
-        "runs": [bench_ensemble(specs, args.lengths, configs) for specs in sets],
-    }
+    unknown = sorted(set(args.configs or ()) - set(CONFIGS))
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
+    configs = {k: v for k, v in CONFIGS.items() if not args.configs or k in args.configs}
+    with busy_neighbour(args.neighbour):
+        result = {
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "torch_threads": torch.get_num_threads(),
+            "neighbour": args.neighbour,
+            "prompt": PROMPT,
+            "runs": [bench_ensemble(specs, args.lengths, configs) for specs in sets],
+        }
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

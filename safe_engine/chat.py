@@ -4,18 +4,19 @@ Each member renders the conversation with its *own* template, so every model see
 it was trained on. Message contents are always tokenized as plain text: a user who types `<|im_end|>`
 gets those characters, not a control token. To get there, the template is rendered with placeholders
 for the contents; the template's own text is tokenized with control tokens recognised, the contents
-with control tokens split.
+with control tokens split. Tools and the history's tool calls are shaped for each template by
+`tools.template_messages`.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import ChatTemplateError, InputError, InputTypeError
 from .members import Member
+from .tools import template_messages
 from .vocab import tokenizer_lock
 
 _PLACEHOLDER = "\x00safe-content-{}\x00"
@@ -62,8 +63,7 @@ def chat_prompt_ids(member: Member, messages: list[dict[str, Any]], tools: list[
             f"member {member.name!r} has no chat template; pass a plain-text prompt instead, or give it one "
             "with ModelSpec(chat_template=...) / Member(..., chat_template=...)"
         )
-    if tools and not template_supports_tools(member.chat_template):
-        messages = _tools_in_system_message(messages, tools)
+    messages, tools = template_messages(messages, tools, member.chat_template)  # tools=None: in the messages
     contents = [m.get("content") or "" for m in messages]
     masked = [{**m, "content": _PLACEHOLDER.format(i)} if m.get("content") else m for i, m in enumerate(messages)]
     rendered = member.tokenizer.apply_chat_template(
@@ -78,23 +78,3 @@ def chat_prompt_ids(member: Member, messages: list[dict[str, Any]], tools: list[
         ids += member.vocab.encode_text(contents[int(pieces[i])])
         ids += member.vocab.encode_text(pieces[i + 1], control_tokens=True)
     return ids
-
-
-def template_supports_tools(template: str) -> bool:
-    """Whether a chat template renders the `tools` variable itself."""
-    return re.search(r"\btools\b", template) is not None
-
-
-def _tools_in_system_message(messages: list[dict[str, Any]], tools: list[dict]) -> list[dict[str, Any]]:
-    """For templates that ignore `tools`: describe the tools in the system message, in the same
-    `<tool_call>` format that tool-aware templates (Qwen2.5, Hermes) ask for, so one parser serves all."""
-    described = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    instructions = (
-        "You may call functions. Available tools (JSON schemas):\n"
-        f"{described}\n"
-        'To call one, reply with <tool_call>{"name": <tool name>, "arguments": <JSON object>}</tool_call>.'
-    )
-    if messages and messages[0].get("role") == "system":
-        first = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{instructions}".strip()}
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": instructions}, *messages]

@@ -13,9 +13,9 @@ import time
 from collections.abc import Sequence
 
 from . import demo_models
-from .config import AGGREGATIONS, METHODS
 from .ensemble import Ensemble
 from .errors import SafeEngineError
+from .knobs import add_cli_arguments, cli_options
 from .stats import GenerationResult
 
 
@@ -36,33 +36,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", default="safe", help=f"one of {', '.join(METHODS)}")
-    p.add_argument("--aggregation", default="unite", help=f"one of {', '.join(AGGREGATIONS)}")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--draft-length", type=int, default=5)
-    p.add_argument("--top-k", type=int, default=10)
-    p.add_argument("--sharpening", default="heuristic", help="heuristic, geometric or none")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--do-sample", action="store_true")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int)
+    add_cli_arguments(p)  # one flag per GenerationConfig field
 
 
 def _options(args: argparse.Namespace) -> dict:
-    return {
-        "method": args.method,
-        "aggregation": args.aggregation,
-        "max_new_tokens": args.max_new_tokens,
-        "draft_length": args.draft_length,
-        "top_k": args.top_k,
-        "sharpening": None if args.sharpening.lower() == "none" else args.sharpening,
-        "stop": tuple(args.stop),
-        "do_sample": args.do_sample,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "seed": args.seed,
-    }
+    return cli_options(args)
 
 
 def _load(args: argparse.Namespace) -> Ensemble:
@@ -113,7 +91,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     else:
         print(_stats_line(result), file=sys.stderr)
+    if args.trace is not None:
+        _write_trace(result, args.trace)
     return 0
+
+
+def _write_trace(result: GenerationResult, path: str) -> None:
+    lines = "".join(json.dumps(p.to_dict(), ensure_ascii=False) + "\n" for p in result.trace or ())
+    if path == "-":
+        sys.stdout.write(lines)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(lines)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -228,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="speed benchmark (see benchmarks/speed.py --help)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
+
+    from .server.cli import add_parser as add_serve_parser  # no FastAPI import until `serve` runs
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import ConfigError, InputTypeError
 
 METHODS = ("safe", "every_token", "single")
+GATES = ("boundary", "consensus")  # SAFE's two conditions; each alone is the paper's ablation
 AGGREGATIONS = ("unite", "gac")
+SCHEDULES = ("auto", "rounds", "overlap")
 SHARPENINGS = ("heuristic", "geometric", None)
 MAX_NEW_TOKENS_LIMIT = 1_000_000
 
@@ -18,18 +20,65 @@ MAX_NEW_TOKENS_LIMIT = 1_000_000
 class GenerationConfig:
     """How to decode. Defaults follow the SAFE paper (n = 5, k = 10, λ = 0.1, greedy)."""
 
-    method: str = "safe"  # "safe" | "every_token" | "single" (drafter alone)
-    aggregation: str = "unite"  # "unite" (top-k union) | "gac" (full vocabulary union)
-    draft_length: int = 5
-    top_k: int = 10
-    sharpening: str | None = "heuristic"  # "heuristic" | "geometric" | None
-    sharpen_threshold: float = 0.1  # λ
-    max_new_tokens: int = 256
-    stop: tuple[str, ...] = ()
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
+    # Each field's metadata holds its one-line "doc" (the adapters' field descriptions, the CLI's help) and
+    # optional "cli" hints for its flag; safe_engine.knobs derives both from here.
+    method: str = field(
+        default="safe",
+        metadata={"doc": '"safe" | "every_token" (every token ensembled: the UniTE/GaC baseline) | "single" (drafter)'},
+    )
+    aggregation: str = field(
+        default="unite", metadata={"doc": '"unite" (union of the members\' top-k) | "gac" (full-vocabulary union)'}
+    )
+    draft_length: int = field(default=5, metadata={"doc": "tokens the drafter proposes per round (n)"})
+    top_k: int = field(default=10, metadata={"doc": "tokens per member in the UniTE union (k)"})
+    sharpening: str | None = field(
+        default="heuristic", metadata={"doc": '"heuristic" | "geometric" | None: sharpening of a spread ensemble'}
+    )
+    sharpen_threshold: float = field(default=0.1, metadata={"doc": "threshold λ of the heuristic sharpening"})
+    max_new_tokens: int = field(default=256, metadata={"doc": "most tokens to generate"})
+    stop: tuple[str, ...] = field(default=(), metadata={"doc": "stop strings (matched across tokens, never emitted)"})
+    do_sample: bool = field(default=False, metadata={"doc": "sample (exact speculative sampling) instead of greedy"})
+    temperature: float = field(default=1.0, metadata={"doc": "sampling temperature (with do_sample)"})
+    top_p: float = field(default=1.0, metadata={"doc": "nucleus sampling threshold (with do_sample)"})
+    seed: int | None = field(default=None, metadata={"doc": "seed for sampling (reproducible draws)"})
+    # Which of SAFE's gates run: None = the method's own (safe: both; every_token: none). An ablation is
+    # method="safe" with one gate, e.g. gates=("boundary",); gates=() is every-token ensembling.
+    gates: tuple[str, ...] | None = field(
+        default=None,
+        metadata={
+            "doc": 'SAFE gates to run, for ablations ("boundary", "consensus"); None: the method\'s own',
+            "cli": {
+                "list": "comma",
+                "metavar": "LIST",
+                "help": "ablation: comma-separated SAFE gates to run "
+                "(boundary,consensus; 'none' = every-token); default: the method's",
+            },
+        },
+    )
+    trace: bool = field(
+        default=False,
+        metadata={
+            "doc": "record every ensemble point in the result's trace",
+            "cli": {"metavar": "FILE", "help": "write every ensemble point as a JSON line to FILE ('-': stdout)"},
+        },
+    )
+    schedule: str = field(
+        default="auto",
+        metadata={
+            "doc": '"rounds" | "overlap" (verifiers score behind the drafter, concurrently) | "auto": overlap when '
+            "one request runs alone and a spare core or a verifier device is free"
+        },
+    )
+    adaptive_draft: bool = field(
+        default=True,
+        metadata={
+            "doc": "end a draft one token after an unsure drafter token at a shared boundary (where replacements "
+            "happen) and adapt the draft length to the request's replacement rate"
+        },
+    )
+    timeout_s: float | None = field(
+        default=None, metadata={"doc": "wall-clock limit of one generation in seconds (GenerationTimeout)"}
+    )
 
     def __post_init__(self) -> None:
         _choice("method", self.method, METHODS)
@@ -57,6 +106,23 @@ class GenerationConfig:
         if not isinstance(self.do_sample, bool):  # "no" would be truthy and silently sample
             raise ConfigError(f"do_sample must be True or False, got {self.do_sample!r}")
         object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "gates", _gates(self.gates, self.method))
+        if not isinstance(self.trace, bool):
+            raise ConfigError(f"trace must be True or False, got {self.trace!r}")
+        _choice("schedule", self.schedule, SCHEDULES)
+        if not isinstance(self.adaptive_draft, bool):
+            raise ConfigError(f"adaptive_draft must be True or False, got {self.adaptive_draft!r}")
+        if self.timeout_s is not None and (
+            isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0
+        ):
+            raise ConfigError(f"timeout_s must be a positive number of seconds or None, got {self.timeout_s!r}")
+
+    @property
+    def active_gates(self) -> tuple[str, ...]:
+        """The gates this configuration runs (the method's own unless `gates` was given)."""
+        if self.gates is not None:
+            return self.gates
+        return GATES if self.method == "safe" else ()
 
     def updated(self, **overrides: Any) -> GenerationConfig:
         """A copy with some fields replaced; unknown names are an error, not silently ignored."""
@@ -89,3 +155,21 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     if any(s == "" for s in stop):
         raise ConfigError("stop strings must not be empty (an empty string would match before any output)")
     return tuple(dict.fromkeys(stop))
+
+
+def _gates(gates: Any, method: str) -> tuple[str, ...] | None:
+    if gates is None:
+        return None
+    if isinstance(gates, str):
+        gates = (gates,)
+    if not isinstance(gates, Sequence) or not all(isinstance(g, str) for g in gates):
+        raise InputTypeError(f"gates must be a list of gate names from {list(GATES)}, got {gates!r}")
+    unknown = sorted(set(gates) - set(GATES))
+    if unknown:
+        raise ConfigError(f"unknown gate(s) {unknown}; choose from {list(GATES)}")
+    if method != "safe":
+        raise ConfigError(
+            f"gates apply to method='safe' (every_token runs no gate, single no ensemble); got method={method!r}; "
+            "for an ablation pass method='safe' with e.g. gates=('boundary',)"
+        )
+    return tuple(g for g in GATES if g in gates)

@@ -1,103 +1,72 @@
-"""The draft → verify loop shared by the three strategies.
+"""The draft → verify loop shared by every strategy.
 
-One `Generation` is one request. Each round:
-1. the drafter proposes up to n tokens (n = 1 for every-token ensembling, no verification for `single`);
-2. each verifier re-encodes the generated text in its own tokenization and scores it in one forward pass
-   over the tail it has not cached yet;
-3. the drafted positions are scanned in order; a position is an ensemble point when every tokenizer has
-   a token boundary at its byte offset (boundary gate) and the models do not already agree (consensus
-   gate; `every_token` skips this gate);
-4. at the first ensemble point whose choice differs from the drafter's token, the ensemble's string
-   replaces it and the rest of the draft is dropped; caches are cropped, never recomputed from scratch.
+One `Generation` is one request. Each round has three phases:
+1. **draft**: the drafter proposes up to n new tokens after those carried over from the last round
+   (n = 1 when no gate runs: every-token ensembling; no verification at all for `single`);
+2. **verify**: each verifier re-tokenizes the text after its frozen prefix and scores it in one forward
+   pass over the tail it has not cached;
+3. **scan**: the drafted positions are judged in order. With the boundary gate, only positions where
+   every tokenizer has a token boundary at the byte offset count (`alignment`); the remaining gates and
+   the pick are `decision.Judge`'s. At the first pick that changes the drafter's text, the rest of the
+   draft is dropped. A position whose view may still change with more text (a verifier's last token,
+   " Inc" of " Incorrect") is judged next round instead, with its drafted tokens carried over.
+Caches are cropped, never recomputed from scratch.
+
+Two schedules. **rounds** (above; with `adaptive_draft`, a draft ends one token after an unsure drafter
+token at a shared boundary, where replacements happen, and its length follows the request's replacement
+rate). **overlap**: every round drafts one token while the verifiers, on another core or device, score the
+text before it, so their forward is off the critical path and a replacement costs at most the one token
+drafted meanwhile. Both judge every position on the same text, so they give the same greedy output.
 """
 
 from __future__ import annotations
 
-import codecs
+import contextlib
 import threading
 import time
-from bisect import bisect_left
 from collections.abc import Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
-from .aggregation import EOS, Distribution, UnionVocab, sharpen, token_string, top_strings, unite
+from .aggregation import Pick, UnionVocab, eos_ids, token_string
+from .alignment import Verification
 from .config import GenerationConfig
-from .errors import InputError
-from .members import Member
-from .rows import Row
-from .stats import EnsembleStats
-from .vocab import token_starts
+from .constrained import Constraint
+from .decision import Judge, Verdict
+from .errors import GenerationTimeout, InputError
+from .members import Job, Member, Track
+from .rows import Draws, Row
+from .stats import EnsemblePoint, EnsembleStats, GenerationResult
+from .text import TextBuffer
+from .tools import parse_tool_calls
+
+CARRY_LIMIT = 3  # judge anyway once the carried-over tokens exceed this many drafts (a verifier token that
+# keeps growing, like a long run of "=", must not postpone the decision forever)
+UNSURE = 0.4  # a drafted token below this probability is a likely ensemble point (transformers' assistant default)
 
 
-class Track:
-    """One member's state for one request: its ids (prompt + generated text) and its KV cache."""
+@dataclass
+class Draft:
+    """The drafter's tokens not yet accepted: carried over from the last round, then newly drafted."""
 
-    def __init__(self, member: Member, prompt_ids: list[int], name: str) -> None:
-        self.member = member
-        self.name = name
-        self.prompt_len = len(prompt_ids)
-        self.ids = list(prompt_ids)
-        self.cache = member.new_cache()
-        self.cached = 0  # leading ids whose keys/values are in the cache
-        self.passes = 0
+    ids: list[int] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)  # the drafter's distribution before each token
+    pieces: list[bytes] = field(default_factory=list)  # the bytes each token spells (b"" for control tokens)
+    final: bool = False  # no text can follow: EOS / control token drafted, budget or context reached
+    drawn: list[Row] = field(default_factory=list)  # what each token was drawn from: the row under the grammar
 
-    def run(self, config: GenerationConfig, rows_from: int | None = None) -> tuple[list[Row], int]:
-        """Feed the ids the cache lacks; distributions after positions `rows_from`.. (default: the last).
+    def cut(self, start: int, final: bool | None = None) -> Draft:
+        """The tokens from `start` on (carried into the next round)."""
+        return Draft(
+            self.ids[start:], self.rows[start:], self.pieces[start:], self.final if final is None else final,
+            self.drawn[start:],
+        )  # fmt: skip
 
-        The cache is cropped to `rows_from` first when those positions were cached already.
-        """
-        last = len(self.ids) - 1
-        rows_from = last if rows_from is None else max(0, min(rows_from, last))
-        start = min(rows_from, self.cached)
-        rows = self.member.score(self.cache, start, self.ids[start:], len(self.ids) - rows_from, config)
-        self.cached = len(self.ids)
-        self.passes += 1
-        return rows, rows_from
-
-
-class Verification:
-    """A verifier's view of the drafted text: where its tokens start, and its distribution before each."""
-
-    def __init__(
-        self, track: Track, text: bytes, first_offset: int, drafter_ids: list[int] | None, config: GenerationConfig
-    ) -> None:
-        if drafter_ids is not None:  # same vocabulary as the drafter: score the drafter's own tokens
-            ids = drafter_ids
-            starts = token_starts(track.member.vocab, ids)
-        else:
-            ids, starts = track.member.vocab.encode(text)
-        new_ids = track.ids[: track.prompt_len] + ids
-        common = _common_prefix(track.ids, new_ids)
-        track.ids = new_ids
-        track.cached = min(track.cached, common)
-        self.member = track.member
-        self.too_long = member_full(track)
-        if self.too_long:  # scoring would run the model past its window (IndexError for learned positions)
-            self.rows, self.at = [], {}
-            return
-        k_first = bisect_left(starts, first_offset)
-        self.rows, first_row = track.run(config, track.prompt_len + k_first - 1)
-        # text offset -> (index of the row predicting the token that starts there, that token or None at end)
-        self.at: dict[int, tuple[int, int | None]] = {}
-        for k in range(k_first, len(ids) + 1):
-            offset = starts[k] if k < len(ids) else len(text)
-            # setdefault: when tokens share a start (normalised text), the boundary is before the first
-            self.at.setdefault(offset, (track.prompt_len + k - 1 - first_row, ids[k] if k < len(ids) else None))
-
-
-def member_full(track: Track) -> bool:
-    window = track.member.context_window
-    return window is not None and len(track.ids) >= window
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 class Generation:
@@ -113,31 +82,57 @@ class Generation:
         config: GenerationConfig,
         union: UnionVocab | None = None,
         executor: Executor | None = None,
+        parallel_members: bool = False,
+        spare_capacity: bool = False,
+        constraint: Constraint | None = None,
+        tools: Sequence[dict] | None = None,
+        tool_choice: Any = None,
     ) -> None:
+        """`executor` runs forwards of different members at once: always for the overlap schedule, and for
+        verifiers when `parallel_members` (they sit on different devices). `spare_capacity`: a free core or
+        device exists, so schedule="auto" may overlap. `constraint`: a grammar over the drafter's ids that
+        the output must follow (the drafter drafts under its mask, the ensemble picks only what it allows);
+        it always holds the accepted ids plus the current draft."""
         self.config = config
+        self.constraint = constraint
+        self.tools, self.tool_choice = tools, tool_choice  # to read the calls back out of the text
         method = config.method if len(members) > 1 else "single"
         note = "one member: decoded as single" if len(members) == 1 and config.method != "single" else ""
         self.method = method
         order = [drafter] + [i for i in range(len(members)) if i != drafter]
         active = order if method != "single" else [drafter]
         self.tracks = [Track(members[i], prompt_ids[i], names[i]) for i in active]
-        self.weights = weights[active] / weights[active].sum()
-        self.union = union
+        self.gates = config.active_gates if method != "single" else ()
         self.executor = executor
-        self.stats = EnsembleStats(method=method, note=note)
-        self.stats.prompt_tokens = {t.name: t.prompt_len for t in self.tracks}
-        self.generator = torch.Generator().manual_seed(
-            config.seed if config.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        self.parallel_members = parallel_members
+        self.can_overlap = (
+            bool(self.gates)
+            and executor is not None
+            and (config.schedule == "overlap" or (config.schedule == "auto" and spare_capacity))
         )
-        self.data = bytearray()  # accepted generated text, as bytes
-        self.text = ""  # accepted generated text, decoded (stop-truncated once finished)
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.draft_length = config.draft_length  # adapted per round with `adaptive_draft`
+        self.draws = Draws(config.seed)
+        active_weights = weights[active] / weights[active].sum()
+        self.judge = Judge([t.member for t in self.tracks], active_weights, config, union, self.draws)
+        gates = self.gates + (("gac",) if config.aggregation == "gac" and method != "single" else ())
+        self.stats = EnsembleStats(method=method, gates=gates, note=note)
+        self.stats.prompt_tokens = {t.name: t.prompt_len for t in self.tracks}
+        self.trace: list[EnsemblePoint] | None = [] if config.trace else None
+        self.buffer = TextBuffer(config.stop)
+        self.pending = Draft()  # drafted tokens carried into the next round
+        self.draft = Draft()  # this round's tokens not accepted yet
+        self.checks: list[Verification] = []  # this round's verifications
+        self._to_draft = self._budget = 0
+        self._verified = 0  # drafted tokens the verifiers see this round (all of them, but in overlap)
+        self._points: list[tuple[int, Verdict, bool]] = []  # this round's ensemble points (committed on accept)
+        self._cut_short = False  # this round's draft ended early at an unsure token
+        self.error: BaseException | None = None  # why the request failed (it then holds no caches)
         self.finish_reason: str | None = None
         self._busy = threading.Lock()
         self._cancelled = False
         self._started = time.perf_counter()
         for track in self.tracks:
-            if member_full(track):
+            if track.full:
                 raise InputError(
                     f"the prompt has {track.prompt_len} tokens for member {track.name!r}, which does not fit its "
                     f"context window of {track.member.context_window}; shorten the prompt"
@@ -151,187 +146,326 @@ class Generation:
     def verifiers(self) -> list[Track]:
         return self.tracks[1:]
 
-    # -- the round ------------------------------------------------------------------------------------
-    def step(self) -> bool:
-        """Run one draft → verify round; True once the generation has finished."""
-        with self._busy:
-            if self.finish_reason is not None:
-                return True
-            if self._cancelled:
-                raise InputError("this generation was cancelled; start a new one")
-            try:
-                return self._round()
-            finally:
-                if self._cancelled or self.finish_reason is not None:
-                    self._release()
+    @property
+    def text(self) -> str:
+        return self.buffer.text
 
-    def _round(self) -> bool:
-        cfg = self.config
-        budget = cfg.max_new_tokens - self.stats.tokens
-        n = 1 if self.method == "every_token" else cfg.draft_length
-        draft_ids, draft_rows, draft_text = self._draft(min(n, budget))
-        start = len(self.data)
-        if self.method == "single":
-            accepted, replacement = len(draft_ids), None
-        else:
-            checks = self._verify(bytes(self.data) + draft_text, start)
-            if any(c.too_long for c in checks):
-                return self._finish("length")
-            accepted, replacement = self._scan(draft_ids, draft_rows, checks, start)
-            if replacement is not None:
-                self.stats.replaced_tokens += 1
-                self.stats.discarded_draft_tokens += len(draft_ids) - accepted - 1
-        self._accept(draft_ids[:accepted], replacement, budget)
-        self.stats.rounds += 1
+    # -- the round, phase by phase (run_round batches each phase over many requests) -------------------
+    def step(self) -> bool:
+        """Run one draft → verify → scan round for this request alone; True once it has finished."""
+        run_round([self])
+        if self.error is not None:
+            raise self.error
+        return self.finished
+
+    @property
+    def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def _draft(self, n: int) -> tuple[list[int], list[Row], bytes]:
-        drafter = self.drafter
-        ids: list[int] = []
-        rows: list[Row] = []
-        text = bytearray()
-        for _ in range(n):
-            row = drafter.run(self.config)[0][-1]
-            tok = row.sample(self.generator) if self.config.do_sample else row.argmax()
-            drafter.ids.append(tok)
-            ids.append(tok)
-            rows.append(row)
-            piece = token_string(drafter.member, tok)
-            if not piece:  # EOS or another control token ends the draft
-                break
-            text += piece
-            if member_full(drafter):
-                break
-        return ids, rows, bytes(text)
+    def begin_round(self, overlap: bool = False) -> None:
+        """Start a round: the carried tokens become the draft; up to n new ones follow (1 without gates, and in
+        the overlap schedule, where the verifiers meanwhile score the carried ones)."""
+        if self.finished:
+            raise InputError("this generation has finished; start a new one")
+        if self._cancelled:
+            raise InputError("this generation was cancelled; start a new one")
+        timeout = self.config.timeout_s
+        if timeout is not None and time.perf_counter() - self._started > timeout:
+            self.cancel()
+            raise GenerationTimeout(
+                f"the generation ran past timeout_s={timeout} s after {self.stats.tokens} tokens; "
+                "raise timeout_s or lower max_new_tokens"
+            )
+        cfg = self.config
+        self.draft, self.pending = self.pending, Draft()
+        self._budget = cfg.max_new_tokens - self.stats.tokens
+        n = self.draft_length if self.gates and not overlap else 1
+        self._to_draft = min(n, self._budget - len(self.draft))
+        self.checks: list[Verification] = []
+        self.draft.final |= self._to_draft <= 0
+        self._verified = len(self.draft) if overlap and self._to_draft > 0 else None
+        self._cut_short = False
 
-    def _verify(self, text: bytes, start: int) -> list[Verification]:
+    @property
+    def drafting(self) -> bool:
+        return self._to_draft > 0 and not self.draft.final
+
+    def draft_job(self) -> Job:
+        """The drafter's next forward: its distribution after everything drafted so far."""
+        return self.drafter.job(self.config)[0]
+
+    def take_draft(self, rows: list[Row]) -> None:
+        """The drafter's next token from its distribution (sampled, or its argmax)."""
+        drafter, draft = self.drafter, self.draft
+        drafter.done()
+        row = rows[-1]
+        # Under a grammar the token is drawn from the masked row (speculative sampling's q); the ensemble
+        # aggregates the unmasked one, like every verifier's, and restricts its candidates afterwards.
+        drawn = row if self.constraint is None else row.masked(self.constraint.mask_logits)
+        position = self.stats.tokens + len(draft)
+        tok = drawn.sample(self.draws.key("draft", position)) if self.config.do_sample else drawn.argmax()
+        if self.constraint is not None:
+            self.constraint.consume([tok])
+        drafter.ids.append(tok)
+        piece = token_string(drafter.member, tok)
+        draft.ids.append(tok)
+        draft.rows.append(row)
+        draft.drawn.append(drawn)
+        draft.pieces.append(piece or b"")
+        self._to_draft -= 1
+        if not piece or drafter.full:  # EOS or another control token ends the draft
+            draft.final = True
+        draft.final |= len(draft) >= self._budget
+        if self._to_draft > 1 and self._verified is None and self._likely_ensemble_point(tok, row):
+            self._to_draft, self._cut_short = 1, True  # one token of look-ahead, then verify
+
+    def _likely_ensemble_point(self, tok: int, row: Row) -> bool:
+        """Whether drafting on past `tok` is likely wasted: the drafter is unsure of it and it starts where
+        every tokenizer has a boundary (only there can the ensemble replace it)."""
+        cfg = self.config
+        if not cfg.adaptive_draft or float(row.logprob([tok]).exp()) >= UNSURE:
+            return False
+        if "boundary" not in self.gates:
+            return True
+        offset = len(self.buffer) + sum(len(p) for p in self.draft.pieces[:-1])
+        text = bytes(self.buffer.data) + b"".join(self.draft.pieces)
+        own = self.drafter.member.vocab.fingerprint
+        for t in self.verifiers:
+            if t.member.vocab.fingerprint == own:
+                continue
+            _, starts = t.member.vocab.encode(text[t.frozen_bytes :])
+            if offset - t.frozen_bytes not in starts:
+                return False
+        return True
+
+    def verify(self) -> list[Verification]:
+        """The verifiers' views of this round (their forwards are run by the caller: one job each).
+
+        Nothing is verified for `single`, or where no drafted position can be an ensemble point whatever
+        the verifiers say (GaC with a confident drafter everywhere). Without gates (every-token ensembling)
+        a verifier reads only the accepted text, as it would generating alone; otherwise also the draft."""
+        draft = self.draft
+        if self.method == "single" or all(self.judge.drafter_confident(row) for row in draft.rows):
+            return []
         drafter = self.drafter
-        generated = drafter.ids[drafter.prompt_len :]
-        if generated and not token_string(drafter.member, generated[-1]):
-            generated = generated[:-1]  # a final control token has no text to score
+        accepted = bytes(self.buffer.data)
+        generated = drafter.ids[drafter.prompt_len : drafter.prompt_len + self.stats.tokens]
+        text = accepted
+        if self.gates:
+            seen = len(draft) if self._verified is None else self._verified
+            if seen == 0:
+                return []  # overlap: nothing drafted before this round's token yet
+            text += b"".join(draft.pieces[:seen])
+            generated += [t for t, piece in zip(draft.ids[:seen], draft.pieces[:seen]) if piece]  # control: no text
         own = drafter.member.vocab.fingerprint
-        jobs = [
-            (t, text, start, generated if t.member.vocab.fingerprint == own else None, self.config)
+        self.checks = [
+            Verification(t, text, len(accepted), generated if t.member.vocab.fingerprint == own else None, self.config)
             for t in self.verifiers
         ]
-        if self.executor is not None and len(jobs) > 1:
-            return [f.result() for f in [self.executor.submit(Verification, *job) for job in jobs]]
-        return [Verification(*job) for job in jobs]
+        return self.checks
 
-    def _scan(
-        self, draft_ids: list[int], draft_rows: list[Row], checks: list[Verification], start: int
-    ) -> tuple[int, bytes | None]:
-        """Index of the first drafted token not accepted, and the ensemble's string for it (or None)."""
-        offset = start
-        drafter = self.drafter.member
-        for j, (tok, row) in enumerate(zip(draft_ids, draft_rows)):
-            here = offset
-            offset += len(token_string(drafter, tok) or b"")
-            if not all(here in c.at for c in checks):
-                continue  # boundary gate: some tokenizer splits the text inside this token
-            rows = [row] + [c.rows[c.at[here][0]] for c in checks]
-            if self.method == "safe" and self._consensus(tok, rows, checks, here):
-                continue
-            choice = self._ensemble(tok, rows)
-            if choice is None:
-                continue  # sampling accepted the drafter's token
-            self.stats.ensembled_tokens += 1
-            if choice != token_string(drafter, tok):
-                return j, choice
-        return len(draft_ids), None
-
-    def _consensus(self, tok: int, rows: list[Row], checks: list[Verification], offset: int) -> bool:
-        """True when the drafter's token would win the ensemble anyway (paper's conditions a and b)."""
-        probs = [float(rows[0].logprob([tok]).exp())]
-        unanimous = True
-        for c, row in zip(checks, rows[1:]):
-            own = c.at[offset][1]
-            own_ids = [i for i in c.member.eos_ids if i < c.member.vocab_size] if own is None else [own]
-            probs.append(float(row.logprob(own_ids).exp().max()) if own_ids else 0.0)
-            unanimous &= row.argmax() in own_ids
-        if unanimous and not self.config.do_sample:
-            return True
-        return float(self.weights @ torch.tensor(probs)) > 0.5
-
-    def _ensemble(self, tok: int, rows: list[Row]) -> bytes | None:
-        """The ensemble's string at this position; None when sampling keeps the drafter's token."""
-        cfg = self.config
-        members = [t.member for t in self.tracks]
-        drafted = token_string(members[0], tok)
-        if cfg.aggregation == "gac":
-            dist = self.union.gac(members, rows, self.weights, drafted)
+    def end_round(self) -> None:
+        """Scan the verified draft, accept what stands, crop caches; finish when the text is complete."""
+        draft, checks = self.draft, self.checks
+        seen = len(draft) if self._verified is None else self._verified
+        if not checks:  # nothing could be an ensemble point (single, a confident GaC drafter) or nothing seen yet
+            if seen < len(draft):  # overlap: the token drafted this round waits for the verifiers
+                self.pending = draft.cut(seen)
+            self._accept(draft, seen, None)
+        elif any(c.too_long for c in checks):
+            self._finish("length")
         else:
-            dist = unite(members, rows, self.weights, cfg.top_k, drafted)
-        scores = sharpen(
-            dist, top_strings(members[0], rows[0], cfg.top_k), cfg.sharpening, cfg.sharpen_threshold, self.weights
-        )
-        if not cfg.do_sample:
-            return dist.strings[int(torch.argmax(scores))]
-        return self._sample(dist, scores / scores.sum(), drafted)
+            kept, replacement = self._scan_phase(draft, checks)
+            agreed = len(self.buffer) + sum(len(p) for p in draft.pieces[:kept])
+            for check in checks:
+                check.freeze(min(agreed, len(check.text)))
+            self._adapt(draft, kept, replacement)
+            self._accept(draft, kept, replacement)
+        self.checks = []
+        self.stats.rounds += 1
+        self.stats.forward_passes = {t.name: t.passes for t in self.tracks}
+        if self.finished or self._cancelled:
+            self._release()
 
-    def _sample(self, dist: Distribution, p_ens: torch.Tensor, drafted: bytes | None) -> bytes | None:
-        """Speculative-sampling acceptance (paper App. H): keep the draft with prob min(1, P_ens / q)."""
-        if self.method == "safe" and drafted in dist.strings:
-            i = dist.strings.index(drafted)
-            q = dist.member_probs[0]
-            ratio = float(p_ens[i]) / max(float(q[i]), 1e-30)
-            if float(torch.rand((), generator=self.generator)) < min(1.0, ratio):
-                return None
-            residual = (p_ens - q).clamp_min(0.0)
-            if float(residual.sum()) > 0:
-                p_ens = residual / residual.sum()
-        return dist.strings[int(torch.multinomial(p_ens, 1, generator=self.generator))]
+    def _adapt(self, draft: Draft, kept: int, replacement: list[int] | None) -> None:
+        """Draft length follows the replacements: one shorter after one, one longer after a clean round."""
+        if not self.config.adaptive_draft or self._verified is not None:
+            return
+        base = self.config.draft_length
+        if replacement is not None:
+            self.draft_length = max(2, self.draft_length - 1)
+        elif kept == len(draft) and not self._cut_short:
+            self.draft_length = min(2 * base, self.draft_length + 1)
+
+    def _scan_phase(self, draft: Draft, checks: list[Verification]) -> tuple[int, list[int] | None]:
+        """How many drafted tokens are accepted, and the drafter ids replacing the next one (or None).
+
+        Tokens after the accepted ones stay in `self.pending` when their judgement is deferred (and, in the
+        overlap schedule, the token drafted while the verifiers ran)."""
+        seen = len(draft) if self._verified is None else self._verified
+        final = (draft.final and seen == len(draft)) or len(draft) > CARRY_LIMIT * self.config.draft_length
+        offset = len(self.buffer)
+        j = 0
+        while j < seen:
+            here = offset
+            offset += len(draft.pieces[j])
+            views = self._views(here, draft, j, checks, final)
+            if views is None:  # boundary gate: some tokenizer splits the text inside this token
+                j += 1
+                continue
+            rows, owns, cuts, aligned = views
+            constrain = None if self.constraint is None else (lambda j=j: self._constraint_at(j))
+            verdict = self.judge.judge(
+                here,
+                draft.ids[j],
+                [draft.rows[j], *rows],
+                owns,
+                cuts,
+                aligned,
+                constrain,
+                draft.drawn[j],
+                self.stats.tokens + j,
+            )
+            if verdict.deferred:
+                self.stats.deferred_positions += 1
+                self.pending = draft.cut(j)
+                return j, None
+            ids = self._ids_of(verdict.pick, draft.rows[j]) if verdict.pick is not None else None
+            replaced = ids is not None and ids != draft.ids[j : j + len(ids)]
+            if verdict.ensembled:
+                self._points.append((j, verdict, replaced))
+            if replaced:
+                self.stats.discarded_draft_tokens += len(draft) - j - 1
+                return j, ids
+            self._constraint_at(len(draft))  # a look at position j rolled the grammar back: catch up
+            if ids is not None and len(ids) > 1:  # GaC's string is the draft's next tokens: skip past them
+                offset += sum(len(p) for p in draft.pieces[j + 1 : j + len(ids)])
+                j += len(ids) - 1
+            j += 1
+        if seen < len(draft):
+            self.pending = draft.cut(seen)
+        return seen, None
+
+    def _views(self, offset: int, draft: Draft, j: int, checks: list[Verification], final: bool):
+        """Each verifier's distribution, own token ids and whether these are cut at `offset`, and whether
+        every tokenizer has a boundary there; None where the boundary gate skips the position."""
+        aligned = all(offset in c.at for c in checks)
+        if not aligned and "boundary" in self.gates:
+            return None
+        rows, owns, cuts = [], [], []
+        for c in checks:
+            if offset in c.at:
+                row, own, cut = c.view(offset, final)
+                if offset == len(c.text) and offset < len(self.buffer) + sum(map(len, draft.pieces)):
+                    # every-token: the verifier read only the accepted text; its own token is how it would
+                    # begin the drafted text
+                    own = [draft.ids[j]] if c.same_vocab else self._first_ids(c.track.member, draft, j)
+                    if self.trace is not None:
+                        aligned &= c.starts_token_at(offset, b"".join(draft.pieces[j:]))
+            else:
+                row, own, cut = c.prefix_view(offset, final)
+            rows.append(row)
+            owns.append(own)
+            cuts.append(cut)
+        return rows, owns, cuts, aligned
+
+    def _constraint_at(self, j: int) -> Constraint | None:
+        """The grammar at drafted position j (rolled back, or caught up with the draft's ids)."""
+        constraint = self.constraint
+        if constraint is None:
+            return None
+        consumed, target = len(constraint.ids) - self.stats.tokens, j
+        if consumed > target:
+            constraint.rollback(consumed - target)
+        elif consumed < target:
+            constraint.consume(self.draft.ids[consumed:target])
+        return constraint
+
+    @staticmethod
+    def _first_ids(member: Member, draft: Draft, j: int) -> list[int]:
+        text = b"".join(draft.pieces[j:])
+        first = member.vocab.first_id(text) if text else None
+        return [first] if first is not None else eos_ids(member)
+
+    def _ids_of(self, pick: Pick, row: Row) -> list[int]:
+        """The drafter ids a pick becomes. UniTE hands the drafter one id, its first token of the string,
+        and lets it continue from there (as the reference does); GaC the whole string re-encoded."""
+        member = self.drafter.member
+        if pick.eos:
+            return [min(member.eos_ids)]
+        single = member.vocab.id_of_bytes.get(pick.text)
+        if single is not None:
+            return [single]
+        ids = member.vocab.encode(pick.text)[0]
+        return ids[:1] if self.config.aggregation == "unite" else ids
+
+    def _commit_points(self, accepted: int) -> None:
+        """Count this round's ensemble points among the `accepted` tokens (a stop string may end the text
+        before some judged positions)."""
+        for j, verdict, replaced in self._points:
+            if j >= accepted:
+                break
+            self.stats.ensembled_tokens += 1
+            self.stats.replaced_tokens += replaced
+            if self.trace is not None and verdict.point is not None:
+                self.trace.append(replace(verdict.point, replaced=replaced))
+        self._points = []
 
     # -- bookkeeping ------------------------------------------------------------------------------------
-    def _accept(self, kept: list[int], replacement: bytes | None, budget: int) -> None:
+    def _accept(self, draft: Draft, kept: int, replacement: list[int] | None) -> None:
+        """Move `kept` drafted tokens (+ a replacement) into the text; crop the drafter where they diverge."""
         drafter = self.drafter
         member = drafter.member
         base = drafter.prompt_len + self.stats.tokens
-        ended = bool(kept) and not token_string(member, kept[-1])
-        pieces = [token_string(member, t) or b"" for t in kept]
-        extra: list[int] = []
+        budget = self.config.max_new_tokens - self.stats.tokens
+        ids = draft.ids[:kept]
+        pieces = draft.pieces[:kept]
+        ended = bool(ids) and not pieces[-1]
         if replacement is not None:
-            if replacement == EOS:
-                extra, ended = [min(member.eos_ids)], True
-            else:
-                single = member.vocab.id_of_bytes.get(replacement)
-                extra = [single] if single is not None else member.vocab.encode(replacement)[0]
-                room = budget - len(kept)  # >= 1: the replaced position was within the budget and the window
-                if member.context_window is not None:
-                    room = min(room, member.context_window - base - len(kept))
-                extra = extra[: max(room, 1)]
-                pieces += [member.token_bytes[t] or b"" for t in extra]
-        drafter.ids = drafter.ids[:base] + kept + extra
-        drafter.cached = min(drafter.cached, base + len(kept))
-        self.stats.tokens += len(kept) + len(extra)
-        self._append(b"".join(pieces))
+            room = budget - kept  # >= 1: the replaced position was within the budget and the window
+            if member.context_window is not None:
+                room = min(room, member.context_window - base - kept)
+            replacement = replacement[: max(room, 1)]
+            ended = replacement[0] in member.eos_ids
+            if self._constraint_at(kept) is not None:
+                self.constraint.consume(replacement)
+            ids = ids + replacement
+            pieces = pieces + [member.token_bytes[t] or b"" for t in replacement]
+            drafter.ids = drafter.ids[:base] + ids
+            drafter.cached = min(drafter.cached, base + kept)
+            self.pending = Draft()
+        for n, piece in enumerate(pieces, 1):  # token by token: a stop string ends the count where it appears
+            if self.buffer.append(piece):
+                ids = ids[:n]
+                self._finish("stop")
+                break
+        self.stats.tokens += len(ids)
+        self._commit_points(len(ids))
         if self.finish_reason is None:
             if ended:
                 self._finish("eos")
-            elif self.stats.tokens >= self.config.max_new_tokens or member_full(drafter):
+            elif self.stats.tokens >= self.config.max_new_tokens or drafter.full:
                 self._finish("length")
 
-    def _append(self, data: bytes, final: bool = False) -> None:
-        """Add accepted bytes; finish with "stop" as soon as a stop string appears in the text."""
-        self.data += data
-        before = len(self.text)
-        self.text += self._decoder.decode(data, final=final)
-        longest = max((len(s) for s in self.config.stop), default=0)
-        window_start = max(0, before - longest + 1)
-        hits = [i for s in self.config.stop if (i := self.text.find(s, window_start)) >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self._finish("stop")
-
     def _finish(self, reason: str) -> bool:
-        if reason != "stop":
-            self._append(b"", final=True)  # a cut character becomes U+FFFD, which may complete a stop string
-            if self.finish_reason == "stop":
-                return True
+        if reason != "stop" and self.buffer.append(b"", final=True):
+            reason = "stop"  # a cut character became U+FFFD, which completed a stop string
         self.finish_reason = reason
+        self.pending = Draft()
         self.stats.wall_time_s = time.perf_counter() - self._started
         self.stats.forward_passes = {t.name: t.passes for t in self.tracks}
         return True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def fail(self, err: BaseException) -> None:
+        """The request cannot go on: keep why (raised to its caller) and free its caches."""
+        if self.error is None and not self.finished:
+            self.error = err
+        self._cancelled = True
+        self._release()  # called by whoever runs the round, so no round of this request is in progress
 
     def cancel(self) -> None:
         """Abandon the request: its KV caches are freed now, or when the round in progress ends."""
@@ -344,18 +478,104 @@ class Generation:
 
     def _release(self) -> None:
         for track in self.tracks:
-            if track.cache is not None:
-                track.member.release(track.cache)
-                track.cache = None
+            track.release()
+
+    def result(self) -> GenerationResult:
+        """The finished request's result (with tools: the calls read back out of its text)."""
+        result = GenerationResult(self.text, self.finish_reason, self.stats, self.trace)
+        if self.tools:
+            parsed = parse_tool_calls(self.text, self.tools, self.tool_choice)
+            result.tool_calls, result.content, result.invalid_tool_calls = (
+                parsed.tool_calls,
+                parsed.content,
+                parsed.invalid,
+            )
+        return result
 
     def visible_text(self) -> str:
         """Text that no later round can change: all of it once finished, else minus a possible stop prefix."""
-        if self.finish_reason is not None:
-            return self.text
-        hold = 0
-        for s in self.config.stop:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
-                    hold = k
-                    break
-        return self.text[: len(self.text) - hold]
+        return self.buffer.visible(self.finish_reason is not None)
+
+
+def run_round(gens: Sequence[Generation]) -> None:
+    """One draft → verify → scan round of every request, batched phase by phase: each drafting step is one
+    forward of the drafter over all requests still drafting, each verifier scores all requests' drafts in
+    one forward, then every request scans and accepts on its own. A batch of one is a request alone.
+
+    Failures are the requests' own: one that cannot go on keeps its error in `error` and frees its caches;
+    the others continue. A failed forward fails every request of the batch."""
+    with contextlib.ExitStack() as held:
+        for gen in gens:
+            held.enter_context(gen._busy)  # cancel() from another thread waits for the round to end
+        _run_round(gens)
+
+
+def _run_round(gens: Sequence[Generation]) -> None:
+    overlap = len(gens) == 1 and gens[0].can_overlap  # with many live requests, batching comes first
+    live = []
+    for gen in gens:
+        try:
+            gen.begin_round(overlap)
+            live.append(gen)
+        except Exception as err:  # this request alone (timed out, cancelled, finished)
+            gen.fail(err)
+    try:
+        if overlap and live:
+            _overlapped(live[0])
+        else:
+            drafting = [g for g in live if g.drafting]
+            while drafting:
+                for gen, rows in zip(drafting, _score_all([(g.drafter, g.draft_job()) for g in drafting])):
+                    gen.take_draft(rows)
+                drafting = [g for g in drafting if g.drafting]
+            checks = [c for g in live for c in g.verify() if c.job is not None]
+            for check, rows in zip(checks, _score_all([(c.track, c.job) for c in checks], _executor(live))):
+                check.take(rows)
+        for gen in live:
+            gen.end_round()
+    except Exception as err:  # a forward failed: every request of the batch fails with it
+        for gen in live:
+            gen.fail(err)
+    except BaseException as err:  # KeyboardInterrupt and the like: free everything, then let it through
+        for gen in live:
+            gen.fail(err)
+        raise
+
+
+def _overlapped(gen: Generation) -> None:
+    """The drafter's next token and the verifiers' pass over the text before it, at the same time."""
+    checks = [c for c in gen.verify() if c.job is not None]
+    verifying = gen.executor.submit(_score_all, [(c.track, c.job) for c in checks]) if checks else None
+    try:
+        if gen.drafting:
+            gen.take_draft(_score_all([(gen.drafter, gen.draft_job())])[0])
+    finally:
+        rows = verifying.result() if verifying is not None else []  # never leave a forward running
+    for check, check_rows in zip(checks, rows):
+        check.take(check_rows)
+
+
+def _executor(gens: Sequence[Generation]) -> Executor | None:
+    return gens[0].executor if gens and gens[0].parallel_members else None
+
+
+def _score_all(work: Sequence[tuple[Track, Job]], executor: Executor | None = None) -> list[list[Row]]:
+    """Rows for each (track, job), one `score_many` per member (members on different devices at once)."""
+    by_member: dict[int, list[int]] = {}
+    for i, (track, _) in enumerate(work):
+        by_member.setdefault(id(track.member), []).append(i)
+    out: list[list[Row]] = [[] for _ in work]
+
+    def score(indexes: list[int]) -> None:
+        member = work[indexes[0]][0].member
+        for i, rows in zip(indexes, member.score_many([work[i][1] for i in indexes])):
+            out[i] = rows
+
+    groups = list(by_member.values())
+    if executor is not None and len(groups) > 1:
+        for future in [executor.submit(score, g) for g in groups]:
+            future.result()
+    else:
+        for g in groups:
+            score(g)
+    return out

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,19 +17,30 @@ import torch
 from .aggregation import UnionVocab
 from .chat import chat_prompt_ids, check_text, validate_messages
 from .config import GenerationConfig
+from .constrained import Constraint, Grammar, schema_dict
 from .decoding import Generation
 from .errors import ConfigError, InputError, InputTypeError
 from .members import Member, ModelSpec, check_device, load_member, unique_names
-from .stats import GenerationResult
+from .scheduler import Scheduler, Ticket, collect
+from .stats import EnsembleStats, GenerationResult
+from .tools import with_tool_choice
 
 
 class Ensemble:
     """Several causal LMs, possibly with different tokenizers, decoding as one.
 
-    Thread-safe for concurrent requests: members are read-only; every request has its own caches.
+    Thread-safe for concurrent requests: members are read-only; every request has its own caches, and
+    requests running at the same time share each forward pass (continuous batching, up to `max_batch_size`
+    live requests; more wait for a free slot).
     """
 
-    def __init__(self, members: Sequence[Member], drafter: int = 0, weights: Sequence[float] | None = None) -> None:
+    def __init__(
+        self,
+        members: Sequence[Member],
+        drafter: int = 0,
+        weights: Sequence[float] | None = None,
+        max_batch_size: int = 8,
+    ) -> None:
         members = list(members)
         if not members:
             raise ConfigError("an Ensemble needs at least one Member")
@@ -41,11 +55,21 @@ class Ensemble:
         self.names = unique_names([m.name for m in members])
         self._union: UnionVocab | None = None
         self._lock = threading.Lock()
-        devices = {str(m.device) for m in members}
-        # Verifiers on different devices verify concurrently (each forward releases the GIL).
-        self._executor = (
-            ThreadPoolExecutor(len(members), thread_name_prefix="safe-verify") if len(devices) > 1 else None
-        )
+        # Forwards of different members run at once (each releases the GIL): verifiers on different devices,
+        # and the verifiers behind the drafter in the overlap schedule.
+        self._executor = ThreadPoolExecutor(max(2, len(members)), thread_name_prefix="safe-forward")
+        self._parallel_members = len({str(m.device) for m in members}) > 1
+        self._scheduler = Scheduler(max_batch_size)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._scheduler.max_batch_size
+
+    @property
+    def open_requests(self) -> int:
+        """Requests started and not over yet: each holds KV caches (0 once everything finished, failed or was
+        closed)."""
+        return self._scheduler.open_requests
 
     @classmethod
     def from_pretrained(
@@ -60,6 +84,7 @@ class Ensemble:
         ray_address: str | None = None,
         member_resources: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
         member_timeout_s: float | None = None,
+        max_batch_size: int = 8,
     ) -> Ensemble:
         """Load members from hub ids, directories, .gguf files, demo names or ModelSpecs.
 
@@ -70,7 +95,7 @@ class Ensemble:
         """
         if isinstance(specs, str | ModelSpec) or not isinstance(specs, Sequence) or not specs:
             raise InputTypeError("specs must be a non-empty list of model specs, e.g. ['smollm2-135m', 'gemma3-270m']")
-        from .ray_backend import resolve_backends, start_ray_members
+        from .ray import resolve_backends, start_ray_members
 
         backends = resolve_backends(backend, len(specs))
         devices = _devices(device_map, len(specs))
@@ -106,7 +131,7 @@ class Ensemble:
             if pending is not None:
                 pending.cancel()
             raise
-        return cls(members, drafter=drafter, weights=weights)
+        return cls(members, drafter=drafter, weights=weights, max_batch_size=max_batch_size)
 
     @property
     def drafter(self) -> Member:
@@ -128,14 +153,49 @@ class Ensemble:
         *,
         messages: Sequence[dict[str, Any]] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        json_schema: Mapping[str, Any] | str | None = None,
         config: GenerationConfig | None = None,
         **options: Any,
     ) -> GenerationResult:
-        """Generate a completion of `prompt`, or the assistant's reply to `messages`."""
-        stream = self.stream(prompt, messages=messages, tools=tools, config=config, **options)
-        for _ in stream:
-            pass
-        return stream.result
+        """Generate a completion of `prompt`, or the assistant's reply to `messages`.
+
+        `tools` (OpenAI-style JSON schemas) with `tool_choice` ("auto": text or valid calls, "required",
+        "none" or a tool name; `parallel_tool_calls=False`: one call at most) or `json_schema` constrain
+        the output with a grammar (`constrained`), whichever member proposed the text; the result's
+        `tool_calls` are the calls read back. Every GenerationConfig field is a keyword too."""
+        options = {**options, "tool_choice": tool_choice, "json_schema": json_schema}
+        return collect(self._scheduler.submit(self._start(prompt, messages, tools, config, options)))
+
+    def generate_batch(
+        self,
+        requests: Sequence[str | Sequence[dict[str, Any]]],
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        json_schema: Mapping[str, Any] | str | None = None,
+        config: GenerationConfig | None = None,
+        **options: Any,
+    ) -> list[GenerationResult]:
+        """Generate for many requests at once (each a prompt string or a messages list), decoded together.
+
+        Every request is checked before any starts; if one fails while decoding, the others are cancelled
+        and its error is raised."""
+        if isinstance(requests, str | bytes) or not isinstance(requests, Sequence):
+            raise InputTypeError("requests must be a list of prompt strings or message lists")
+        options = {**options, "tool_choice": tool_choice, "json_schema": json_schema}
+        started = []
+        for request in requests:
+            if isinstance(request, str):
+                started.append(self._start(request, None, tools, config, options))
+            else:
+                started.append(self._start(None, request, tools, config, options))
+        tickets = [self._scheduler.submit(gen) for gen in started]
+        try:
+            return [collect(t) for t in tickets]
+        finally:
+            for t in tickets:
+                t.cancel()  # a no-op for finished requests
 
     def stream(
         self,
@@ -143,11 +203,14 @@ class Ensemble:
         *,
         messages: Sequence[dict[str, Any]] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        json_schema: Mapping[str, Any] | str | None = None,
         config: GenerationConfig | None = None,
         **options: Any,
     ) -> TextStream:
         """Iterator of verified text deltas; `.result` holds the GenerationResult once exhausted."""
-        return TextStream(self._start(prompt, messages, tools, config, options))
+        options = {**options, "tool_choice": tool_choice, "json_schema": json_schema}
+        return TextStream(self._scheduler.submit(self._start(prompt, messages, tools, config, options)))
 
     async def agenerate(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
         """`generate` off the event loop; cancelling the awaiting task stops decoding after the round."""
@@ -156,15 +219,46 @@ class Ensemble:
             pass
         return stream.result
 
-    def astream(self, prompt: str | None = None, **kwargs: Any) -> AsyncTextStream:
-        """Async iterator of verified deltas; tokenizing and every round run in a worker thread."""
-        return AsyncTextStream(lambda: self.stream(prompt, **kwargs))
+    def astream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[dict[str, Any]] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        json_schema: Mapping[str, Any] | str | None = None,
+        config: GenerationConfig | None = None,
+        **options: Any,
+    ) -> AsyncTextStream:
+        """Async iterator of verified deltas; tokenizing runs in a worker thread, decoding in the scheduler's."""
+        options = {**options, "tool_choice": tool_choice, "json_schema": json_schema}
+        return AsyncTextStream(lambda: self._start(prompt, messages, tools, config, options), self._scheduler)
 
     # -- internals --------------------------------------------------------------------------------------
     def _start(self, prompt, messages, tools, config, options) -> Generation:
         if config is not None and not isinstance(config, GenerationConfig):
             raise InputTypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        options = dict(options)
+        tool_choice, json_schema = options.pop("tool_choice", None), options.pop("json_schema", None)
+        parallel = options.pop("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise ConfigError(f"parallel_tool_calls must be True or False, got {parallel!r}")
         config = (config or GenerationConfig()).updated(**options) if options else (config or GenerationConfig())
+        if tools is not None and not tools:
+            tools = None
+        if messages is not None and tools:  # "none" hides the tools; "required" / a name asks for the call
+            messages, tools = with_tool_choice(validate_messages(messages), tools, tool_choice)
+        grammar = Grammar.for_request(json_schema, tools, tool_choice, parallel)
+        if grammar is not None and json_schema is not None and messages is not None:
+            messages = _ask_for_json(validate_messages(messages), json_schema)
+        constraint = None
+        if grammar is not None:
+            if getattr(self.drafter, "is_remote", False):
+                raise ConfigError(
+                    "constrained output (tools, json_schema) masks the drafter's logits, which stay in its Ray actor; "
+                    "use a local drafter"
+                )
+            constraint = Constraint(grammar, self.drafter)
         gac = config.aggregation == "gac" and config.method != "single" and len(self.members) > 1
         if gac and any(getattr(m, "is_remote", False) for m in self.members):
             raise ConfigError(
@@ -174,8 +268,29 @@ class Ensemble:
         prompts = self._prompt_ids(prompt, messages, tools, config)
         union = self._union_vocab() if config.aggregation == "gac" and config.method != "single" else None
         return Generation(
-            self.members, self.names, prompts, self.drafter_index, self.weights, config, union, self._executor
+            self.members,
+            self.names,
+            prompts,
+            self.drafter_index,
+            self.weights,
+            config,
+            union,
+            self._executor,
+            self._parallel_members,
+            self._spare_capacity(),
+            constraint,
+            tools,
+            tool_choice,
         )
+
+    def _spare_capacity(self) -> bool:
+        """Whether verifiers can run beside the drafter without slowing it: they sit on other devices, or the
+        CPU has cores left over by torch's threads (schedule="auto" then overlaps a lone request)."""
+        drafter = str(self.drafter.device)
+        if any(str(m.device) != drafter for m in self.members):
+            return True
+        on_cpu = isinstance(self.drafter.device, torch.device) and self.drafter.device.type == "cpu"
+        return on_cpu and (os.cpu_count() or 1) >= 2 * torch.get_num_threads()
 
     def _prompt_ids(self, prompt, messages, tools, config: GenerationConfig) -> list[list[int]]:
         if (prompt is None) == (messages is None):
@@ -203,73 +318,126 @@ class Ensemble:
             return self._union
 
 
-class TextStream:
-    """Deltas of verified text from one Generation; closing it frees the request's caches."""
+@dataclass(frozen=True)
+class StreamEvent:
+    """One step of a stream: a delta of verified text; the last event also carries the result."""
 
-    def __init__(self, generation: Generation) -> None:
-        self._generation = generation
-        self._emitted = 0
+    delta: str
+    result: GenerationResult | None = None
+
+
+class TextStream:
+    """Deltas of verified text of one request; closing it (or dropping it) cancels the request and frees its
+    caches."""
+
+    def __init__(self, ticket: Ticket) -> None:
+        self._ticket = ticket
+        self._closed = False
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> Iterator[str]:
         return self
 
     def __next__(self) -> str:
-        gen = self._generation
-        while True:
-            if self.result is not None:
-                raise StopIteration
-            try:
-                done = gen.step()
-            except BaseException:
-                gen.cancel()
-                raise
-            visible = gen.visible_text()
-            delta = visible[self._emitted :]
-            self._emitted = len(visible)
-            if done:
-                self.result = GenerationResult(gen.text, gen.finish_reason, gen.stats)
-            if delta:
-                return delta
+        if self._closed and self.result is None:
+            raise InputError("this stream was closed and its generation cancelled; start a new one")
+        while self.result is None:
+            event = self._ticket.get()
+            if event.error is not None:
+                raise event.error
+            self.result = event.result
+            if event.delta:
+                return event.delta
+        raise StopIteration
+
+    @property
+    def stats(self) -> EnsembleStats:
+        """The request's statistics so far (final once the stream is exhausted)."""
+        return self._ticket.generation.stats
+
+    def events(self) -> Iterator[StreamEvent]:
+        """The deltas as `StreamEvent`s, as soon as each is verified; the last one carries the result (its
+        delta may be empty)."""
+        while self.result is None:
+            if self._closed:
+                raise InputError("this stream was closed and its generation cancelled; start a new one")
+            event = self._ticket.get()
+            if event.error is not None:
+                raise event.error
+            self.result = event.result
+            if event.delta or event.result is not None:
+                yield StreamEvent(event.delta, event.result)
 
     def close(self) -> None:
         """Abandon the request (also called when the stream is garbage collected)."""
         if self.result is None:
-            self._generation.cancel()
+            self._closed = True
+            self._ticket.cancel()
 
     def __del__(self) -> None:
         self.close()
 
 
 class AsyncTextStream:
-    """`TextStream` for asyncio: one worker-thread hop per round; `.result` once exhausted."""
+    """`TextStream` for asyncio: events arrive on the event loop; `.result` once exhausted."""
 
-    def __init__(self, open_stream: Callable[[], TextStream]) -> None:
-        self._open = open_stream
-        self._stream: TextStream | None = None
-
-    @property
-    def result(self) -> GenerationResult | None:
-        return self._stream.result if self._stream is not None else None
+    def __init__(self, start: Callable[[], Generation], scheduler: Scheduler) -> None:
+        self._start = start
+        self._scheduler = scheduler
+        self._ticket: Ticket | None = None
+        self._events: AsyncIterator[StreamEvent] | None = None
+        self.result: GenerationResult | None = None
 
     def __aiter__(self) -> AsyncTextStream:
         return self
 
     async def __anext__(self) -> str:
+        if self._events is None:
+            self._events = self.events()
+        async for event in self._events:
+            if event.delta:
+                return event.delta
+        raise StopAsyncIteration
+
+    @property
+    def stats(self) -> EnsembleStats | None:
+        """The request's statistics so far (None before the first delta was asked for)."""
+        return self._ticket.generation.stats if self._ticket is not None else None
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """The deltas as `StreamEvent`s, as soon as each is verified; the last one carries the result."""
         try:
-            if self._stream is None:
-                self._stream = await asyncio.to_thread(self._open)
-            delta = await asyncio.to_thread(next, self._stream, None)
-        except BaseException:  # cancelled or failed: free the request's caches
+            if self._ticket is None:
+                generation = await asyncio.to_thread(self._start)
+                self._ticket = self._scheduler.submit(generation, asyncio.get_running_loop())
+            while self.result is None:
+                event = await self._ticket.aget()
+                if event.error is not None:
+                    raise event.error
+                self.result = event.result
+                if event.delta or event.result is not None:
+                    yield StreamEvent(event.delta, event.result)
+        finally:  # finished, failed, cancelled or left early: nothing keeps running
             await self.aclose()
-            raise
-        if delta is None:
-            raise StopAsyncIteration
-        return delta
 
     async def aclose(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
+        if self._ticket is not None and self.result is None:
+            self._ticket.cancel()
+
+    def __del__(self) -> None:
+        if self._ticket is not None and self.result is None:
+            self._ticket.cancel()
+
+
+def _ask_for_json(messages: list[dict[str, Any]], schema: Mapping[str, Any] | str) -> list[dict[str, Any]]:
+    """Tell the members what the grammar will hold them to (a model that knows the schema fills it in
+    meaningfully; the grammar alone only makes it valid)."""
+    text = schema if isinstance(schema, str) else json.dumps(schema_dict(schema), ensure_ascii=False)
+    instruction = f"Reply with only a JSON value that follows this JSON schema:\n{text}"
+    if messages and messages[0].get("role") == "system":
+        first = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{instruction}".strip()}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": instruction}, *messages]
 
 
 def _weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:

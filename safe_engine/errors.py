@@ -41,6 +41,14 @@ class MemberError(SafeEngineError, RuntimeError):
     """A member failed while serving a request (a remote actor died, timed out, ...)."""
 
 
+class ToolCallError(SafeEngineError, ValueError):
+    """A reply that had to contain a tool call has none that could be read."""
+
+
+class GenerationTimeout(SafeEngineError, TimeoutError):
+    """A generation ran past its `timeout_s`; its caches were freed."""
+
+
 def from_validation_error(owner: str, err: Any) -> SafeEngineError:
     """The SafeEngineError a pydantic validator raised, else a ConfigError naming the rejected field.
 

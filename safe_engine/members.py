@@ -1,7 +1,7 @@
 """Members: a causal LM with its own tokenizer, and how to load one from a spec.
 
 A `Member` is shared by every request of an `Ensemble`, so it holds only what never changes: model,
-tokenizer, byte-level vocabulary. Per-request state (token ids, KV cache) lives in `decoding.Track`.
+tokenizer, byte-level vocabulary. Per-request state (token ids, KV cache) lives in a `Track`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from . import demo_models
 from .config import GenerationConfig
 from .errors import ConfigError, InputTypeError, ModelLoadError
-from .rows import LocalRow, Row, next_token_logprobs
+from .packed import KVPool, packed_forward, supports_packing, use_packing
+from .rows import LocalRow, Row
 from .vocab import Vocab, tokenizer_lock
 
 
@@ -58,6 +60,9 @@ class Member:
             _context_window(model.config),
         )
         self.device = next(model.parameters()).device
+        self.packed = supports_packing(model)  # many requests per forward, each with its own KV pool
+        if self.packed:
+            use_packing(model)
 
     def _setup_tokenizer_side(
         self,
@@ -95,34 +100,118 @@ class Member:
         return list(ids)
 
     # -- forward ------------------------------------------------------------------------------------
-    def new_cache(self) -> DynamicCache:
-        """A cache that can be cropped later, sliding-window layers included."""
+    def new_cache(self) -> KVPool | DynamicCache:
+        """A request's cache that can be cropped later: a packed pool where the model supports one (see
+        `packed`), else a DynamicCache with sliding-window layers recorded."""
+        if self.packed:
+            return KVPool()
         cache = DynamicCache(config=self.model.config)
         if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
             cache.activate_past_recording()
         return cache
 
-    def score(self, cache: DynamicCache, start: int, ids: list[int], keep: int, config: GenerationConfig) -> list[Row]:
+    def score(self, cache: Any, start: int, ids: list[int], keep: int, config: GenerationConfig) -> list[Row]:
         """Crop the cache to `start` positions, append `ids`, and return the next-token distributions
         after each of the last `keep` positions. (A remote member implements the same call.)"""
-        crop_cache(cache, start)
-        logits = self.forward(ids, cache, keep).cpu()
-        logprobs = next_token_logprobs(logits, config.do_sample, config.temperature, config.top_p)
-        return [LocalRow(row) for row in logprobs]
+        return self.score_many([Job(cache, start, ids, keep, config)])[0]
 
-    def release(self, cache: DynamicCache) -> None:
+    def score_many(self, jobs: Sequence[Job]) -> list[list[Row]]:
+        """`score` for several requests in one forward pass (one per request without packing).
+
+        The logits stay on the member's device; a row is normalised there when the decoder first reads it.
+        """
+        logits = self.forward_many(jobs)
+        return [
+            [LocalRow(row, (job.config.do_sample, job.config.temperature, job.config.top_p)) for row in rows]
+            for job, rows in zip(jobs, logits)
+        ]
+
+    def forward_many(self, jobs: Sequence[Job]) -> list[torch.Tensor]:
+        """Each job's float32 logits of its last `keep` positions, after cropping its cache to `start`."""
+        if self.packed:
+            return packed_forward(self.model, [(j.cache, j.start, j.ids, j.keep) for j in jobs], self.device)
+        out = []
+        for job in jobs:
+            crop_cache(job.cache, job.start)
+            out.append(self.forward(job.ids, job.cache, job.keep))
+        return out
+
+    def release(self, cache: Any) -> None:
         """Forget a request's cache (local caches are simply garbage collected)."""
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], cache: DynamicCache, keep: int = 1) -> torch.Tensor:
+    def forward(self, ids: list[int], cache: Any, keep: int = 1) -> torch.Tensor:
         """Logits (float32) of the last `keep` of `ids`, appended to what `cache` already holds."""
+        if isinstance(cache, KVPool):
+            return self.forward_many([Job(cache, cache.length, ids, keep, None)])[0]
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=keep)
         return out.logits[0].float()
 
 
-def crop_cache(cache: DynamicCache, keep: int) -> None:
-    """Drop cached positions beyond the first `keep` (transformers 5 takes a negative count)."""
+@dataclass
+class Job:
+    """One request's part of a forward pass: crop `cache` to `start`, feed `ids`, keep the last `keep` rows."""
+
+    cache: Any
+    start: int
+    ids: list[int]
+    keep: int
+    config: GenerationConfig | None  # the request's sampling settings (and, for Ray members, its top-k)
+
+
+class Track:
+    """One member's state for one request: its ids (prompt + generated text) and its KV cache."""
+
+    def __init__(self, member: Member, prompt_ids: list[int], name: str) -> None:
+        self.member = member
+        self.name = name
+        self.prompt_len = len(prompt_ids)
+        self.ids = list(prompt_ids)
+        self.cache = member.new_cache()
+        self.cached = 0  # leading ids whose keys/values are in the cache
+        self.passes = 0
+        # A verifier's tokens of the generated text that no later text can change (alignment.Verification):
+        self.frozen_ids = 0  # how many generated ids
+        self.frozen_bytes = 0  # how many bytes of the generated text they spell
+
+    @property
+    def full(self) -> bool:
+        """Whether scoring more would run the model past its context window."""
+        window = self.member.context_window
+        return window is not None and len(self.ids) >= window
+
+    def job(self, config: GenerationConfig, rows_from: int | None = None) -> tuple[Job, int]:
+        """The forward that feeds the ids the cache lacks, with distributions after positions `rows_from`..
+        (default: the last one); the cache is cropped to `rows_from` first when those were cached already.
+        Returns the job and the position of its first row. Call `done` once it ran."""
+        last = len(self.ids) - 1
+        rows_from = last if rows_from is None else max(0, min(rows_from, last))
+        start = min(rows_from, self.cached)
+        return Job(self.cache, start, self.ids[start:], len(self.ids) - rows_from, config), rows_from
+
+    def done(self) -> None:
+        self.cached = len(self.ids)
+        self.passes += 1
+
+    def run(self, config: GenerationConfig, rows_from: int | None = None) -> tuple[list[Row], int]:
+        """`job` + its forward + `done`, for this request alone."""
+        job, first = self.job(config, rows_from)
+        rows = self.member.score_many([job])[0]
+        self.done()
+        return rows, first
+
+    def release(self) -> None:
+        if self.cache is not None:
+            self.member.release(self.cache)
+            self.cache = None
+
+
+def crop_cache(cache: Any, keep: int) -> None:
+    """Drop cached positions beyond the first `keep` (transformers 5's DynamicCache takes a negative count)."""
+    if isinstance(cache, KVPool):
+        cache.crop(keep)
+        return
     drop = cache.get_seq_length() - keep
     if drop > 0:
         cache.crop(-drop)

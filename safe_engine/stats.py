@@ -10,6 +10,7 @@ class EnsembleStats:
     """Counts for one generation. `ensemble_rate` is the paper's E/T (ensembled / generated tokens)."""
 
     method: str
+    gates: tuple[str, ...] = ()  # the gates this generation ran ("boundary", "consensus"; GaC adds "gac")
     tokens: int = 0  # drafter tokens accepted
     ensembled_tokens: int = 0  # positions decided by the ensemble distribution
     rounds: int = 0  # draft → verify rounds
@@ -21,6 +22,7 @@ class EnsembleStats:
     # drafter's ends the round there, and the drafted tokens after it (one drafter pass each) are thrown away.
     replaced_tokens: int = 0  # ensemble points whose choice differed from the drafted token
     discarded_draft_tokens: int = 0  # drafted tokens dropped after a replaced one
+    deferred_positions: int = 0  # positions judged a round later: a verifier's token there was cut by the draft's end
 
     @property
     def ensemble_rate(self) -> float:
@@ -42,6 +44,29 @@ class EnsembleStats:
         )
 
 
+@dataclass(frozen=True)
+class EnsemblePoint:
+    """One position the ensemble decided (`generate(..., trace=True)`), for tests and research.
+
+    Strings are the UTF-8 text of candidates (a byte-level token cut inside a character shows U+FFFD);
+    "" stands for the end of the sequence.
+    """
+
+    offset: int  # byte offset in the generated text where the decided token starts
+    drafted: str  # the drafter's token there
+    chosen: str  # the ensemble's pick (UniTE then hands the drafter only its first token of it)
+    replaced: bool  # the pick changed the drafter's text (the rest of the draft was dropped)
+    drafter_prob: float  # P_drafter(drafted token)
+    member_probs: list[float]  # each member's probability of its own token at this offset, drafter first
+    unanimous: bool  # every verifier's most likely token was its own aligned token
+    aligned: bool  # every tokenizer had a token boundary here (always, with the boundary gate)
+    candidates: list[tuple[str, float]]  # best ensemble candidates after sharpening, best first
+    gates: tuple[str, ...]  # the gates that ran here: "boundary", "gac" (drafter prob < 0.5), "consensus"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass
 class GenerationResult:
     """Generated text (prompt excluded), why it ended, and the stats."""
@@ -49,3 +74,9 @@ class GenerationResult:
     text: str
     finish_reason: str  # "eos" | "length" | "stop"
     stats: EnsembleStats
+    trace: list[EnsemblePoint] | None = None  # the ensemble points, in order, when asked for with trace=True
+    # With tools: the calls read back from the text ([{"id", "name", "arguments": dict}]), the text around
+    # them, and calls that could not be read ([{"id", "name", "arguments": raw text, "error"}]).
+    tool_calls: list[dict] | None = None
+    content: str | None = None
+    invalid_tool_calls: list[dict] | None = None

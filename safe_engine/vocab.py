@@ -18,6 +18,7 @@ import json
 import re
 import threading
 import weakref
+from bisect import bisect_left
 from functools import cached_property
 from itertools import accumulate
 
@@ -95,6 +96,35 @@ class Vocab:
             if b and (b not in table or table[b] in self._byte_tokens):
                 table[b] = tid
         return table
+
+    @cached_property
+    def ids_of_bytes(self) -> dict[bytes, list[int]]:
+        """Every token id that spells each byte string (speculative sampling needs the mass of all of them)."""
+        table: dict[bytes, list[int]] = {}
+        for tid, b in enumerate(self.token_bytes):
+            if b:
+                table.setdefault(b, []).append(tid)
+        return table
+
+    @cached_property
+    def _sorted_spellings(self) -> tuple[list[bytes], list[int]]:
+        pairs = sorted((b, tid) for tid, b in enumerate(self.token_bytes) if b)
+        return [b for b, _ in pairs], [tid for _, tid in pairs]
+
+    def consistent_ids(self, data: bytes) -> list[int]:
+        """Ids of every token that could start text beginning with `data`: tokens that extend `data`
+        (" Incorrect" for " Inc") and tokens that are a proper prefix of it (" In")."""
+        spellings, ids = self._sorted_spellings
+        out = []
+        i = bisect_left(spellings, data)
+        while i < len(spellings) and spellings[i].startswith(data):
+            out.append(ids[i])
+            i += 1
+        for k in range(1, len(data)):
+            tid = self.id_of_bytes.get(data[:k])
+            if tid is not None:
+                out.append(tid)
+        return out
 
     def first_id(self, data: bytes) -> int | None:
         """The token this tokenizer would start `data` with (None if it cannot spell it); memoised."""

@@ -13,16 +13,22 @@ class ChatSafeFlags:
         return ChatSafe
 
     @property
+    def standard_chat_model_params(self) -> dict:
+        # The members run in this process: a failed generation would fail the same way again, so ChatSafe
+        # refuses max_retries > 0 (LangChain's own .with_retry() is the way to retry anyway).
+        return {**super().standard_chat_model_params, "max_retries": 0}
+
+    @property
     def has_tool_calling(self) -> bool:
         return True
 
     @property
     def has_tool_choice(self) -> bool:
-        return True  # accepted; enforced by a system-message instruction, not by constrained decoding
+        return True  # enforced: the ensemble decodes under a tool-call grammar
 
     @property
     def has_structured_output(self) -> bool:
-        return True  # BaseChatModel's default, via tools
+        return True  # json_schema (default), function_calling and json_mode, each constrained by a grammar
 
     @property
     def returns_usage_metadata(self) -> bool:
@@ -32,8 +38,8 @@ class ChatSafeFlags:
     def supports_model_override(self) -> bool:
         return False  # the members are fixed at construction; a per-call `model` is refused
 
-    # Text in, text out: no JSON mode, no images, PDFs, audio, video or Anthropic-style content blocks.
-    supports_json_mode = property(lambda self: False)
+    supports_json_mode = property(lambda self: True)
+    # Text in, text out: no images, PDFs, audio, video or Anthropic-style content blocks.
     supports_image_inputs = property(lambda self: False)
     supports_image_urls = property(lambda self: False)
     supports_pdf_inputs = property(lambda self: False)

@@ -115,7 +115,8 @@ def numbers_equal(a: str | None, b: str | None, rel_tol: float = 1e-6) -> bool:
         return False
     if va == vb:
         return True
-    return math.isclose(float(va), float(vb), rel_tol=rel_tol, abs_tol=1e-9)
+    # exact arithmetic: a float() of a runaway digit string (a looping model) would overflow
+    return abs(va - vb) <= max(Fraction(rel_tol) * max(abs(va), abs(vb)), Fraction(1, 10**9))
 
 
 def extract_number(text: str) -> str | None:

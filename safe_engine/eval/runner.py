@@ -230,9 +230,16 @@ def make_ensemble_config(
     max_new_tokens: int = 512,
     chat: bool = True,
     fewshot: bool | None = None,
+    problems: Sequence[Problem] | None = None,
+    batch_size: int = 1,
     **generate_kwargs: Any,
 ) -> ConfigFn:
     """A configuration callable that prompts ``ensemble`` for a problem and reports text and statistics.
+
+    With ``problems`` and ``batch_size`` > 1, a call for a problem not yet answered decodes it together with
+    the next ``batch_size - 1`` problems of ``problems`` (``Ensemble.generate_batch``: continuous batching,
+    each request's output as if alone); the record's ``wall_time_s`` is then the batch's time divided by its
+    size, and ``batch_size`` says so.
 
     Uses the contract API: ``ensemble.generate(messages=..., **kw)`` for chat models (each member applies
     its own chat template), ``ensemble.generate(prompt_text, **kw)`` with few-shot text and stop strings
@@ -255,7 +262,7 @@ def make_ensemble_config(
         **generate_kwargs,
     }
 
-    def run(problem: Problem) -> dict[str, Any]:
+    def request(problem: Problem) -> tuple[dict[str, Any], tuple[str, ...]]:
         kwargs: dict[str, Any] = {
             "method": method,
             "aggregation": aggregation,
@@ -269,29 +276,62 @@ def make_ensemble_config(
         if seed is not None:
             kwargs["seed"] = problem_seed(seed, problem.id)
         prompt = build_prompt(problem, chat=chat, fewshot=fewshot)
-        start = time.perf_counter()
-        # positional text (the contract does not name the parameter) or messages= for chat
-        args: tuple[Any, ...] = () if chat else (prompt,)
-        call: dict[str, Any] = {"messages": prompt} if chat else {}
-        result = ensemble.generate(*args, **call, **kwargs)
-        elapsed = time.perf_counter() - start
+        return {"messages": prompt} if chat else {"prompt": prompt}, kwargs
+
+    def record(result: Any, kwargs: dict[str, Any], elapsed: float, batch: int) -> dict[str, Any]:
         stats = getattr(result, "stats", None)
-        record: dict[str, Any] = {
-            "text": _cut_at_stop(str(result.text), stops),
+        out: dict[str, Any] = {
+            "text": _cut_at_stop(str(result.text), tuple(kwargs.get("stop") or ())),
             "finish_reason": getattr(result, "finish_reason", None),
             "tokens": getattr(stats, "tokens", None),
             "ensembled_tokens": getattr(stats, "ensembled_tokens", None),
             "ensemble_rate": getattr(stats, "ensemble_rate", None),
-            "wall_time_s": getattr(stats, "wall_time_s", None) or elapsed,
+            "wall_time_s": elapsed if batch > 1 else getattr(stats, "wall_time_s", None) or elapsed,
             "tokens_per_s": getattr(stats, "tokens_per_s", None),
             "seed": kwargs.get("seed"),
+            **({"batch_size": batch} if batch > 1 else {}),
         }
-        record.update({k: v for k, v in settings.items() if k not in record and _jsonable(v)})
-        return record
+        out.update({k: v for k, v in settings.items() if k not in out and _jsonable(v)})
+        return out
+
+    order = {p.id: i for i, p in enumerate(problems or ())}
+    answers: dict[str, dict[str, Any]] = {}
+
+    def run(problem: Problem) -> dict[str, Any]:
+        if batch_size > 1 and problem.id in order:
+            if problem.id not in answers:
+                batch = list(problems[order[problem.id] : order[problem.id] + batch_size])
+                requests = [request(p) for p in batch]
+                start = time.perf_counter()
+                results = _decode_together(ensemble, requests)
+                share = (time.perf_counter() - start) / len(batch)
+                for p, result, (_, kwargs) in zip(batch, results, requests, strict=True):
+                    answers[p.id] = record(result, kwargs, share, len(batch))
+            return answers.pop(problem.id)
+        call, kwargs = request(problem)
+        start = time.perf_counter()
+        # positional text (the contract does not name the parameter) or messages= for chat
+        args: tuple[Any, ...] = (call.pop("prompt"),) if "prompt" in call else ()
+        result = ensemble.generate(*args, **call, **kwargs)
+        return record(result, kwargs, time.perf_counter() - start, 1)
 
     run.settings = settings  # type: ignore[attr-defined]
     run.__name__ = f"ensemble_{method}_{aggregation}"
     return run
+
+
+def _decode_together(ensemble: Any, requests: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[Any]:
+    """Every request at once: concurrent `generate` calls join one batch of the ensemble (each request
+    keeps its own options: stop strings and seed differ per problem)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(req: tuple[dict[str, Any], dict[str, Any]]) -> Any:
+        call, kwargs = dict(req[0]), req[1]
+        args: tuple[Any, ...] = (call.pop("prompt"),) if "prompt" in call else ()
+        return ensemble.generate(*args, **call, **kwargs)
+
+    with ThreadPoolExecutor(len(requests), thread_name_prefix="safe-eval") as pool:
+        return list(pool.map(one, requests))
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:
@@ -311,15 +351,21 @@ def make_batched_single_config(
     batch_size: int = 16,
     max_new_tokens: int = 512,
     fewshot: bool | None = None,
+    stop: Sequence[str] = (),
 ) -> ConfigFn:
     """A single-model greedy baseline that answers ``batch_size`` chat problems per transformers ``generate``.
 
     Why: on a CPU a small model's decoding is memory-bound, so a batch of 16 costs about 2.5x one sequence;
     single-model rows of a long accuracy run cost a fraction of their sequential time. Greedy output equals
     the engine's ``method="single"`` up to float rounding from left padding (the prompt is rendered the same
-    way, :func:`safe_engine.chat.chat_prompt_ids`). Each record's ``wall_time_s`` is the batch's wall time
-    divided by the batch's size. A call for a problem not yet answered generates it and the next
-    ``batch_size - 1`` problems of ``problems``.
+    way, :func:`safe_engine.chat.chat_prompt_ids`). Each record's ``wall_time_s`` and ``cpu_time_s`` (this
+    process's CPU time, all threads) are the batch's times divided by the batch's size. A call for a problem
+    not yet answered generates it and the next ``batch_size - 1`` problems of ``problems``.
+
+    ``stop``: strings that end an answer (e.g. ``"\nQuestion:"`` for a base model behind a plain
+    "Question/Answer" template, which would otherwise invent the next question until the budget). A row
+    stops once its text contains one (transformers ``stop_strings``); the text is cut before it, the
+    record's ``finish_reason`` is ``"stop"`` and ``tokens`` counts up to the token that completed it.
     """
     import torch
 
@@ -329,6 +375,24 @@ def make_batched_single_config(
     answers: dict[str, dict[str, Any]] = {}
     eos = sorted(member.eos_ids)
     pad = member.tokenizer.pad_token_id if member.tokenizer.pad_token_id is not None else eos[0]
+    stops = tuple(s for s in stop if s)
+    stop_kwargs: dict[str, Any] = {"stop_strings": list(stops), "tokenizer": member.tokenizer} if stops else {}
+
+    def decode(tokens: Sequence[int]) -> str:
+        return str(member.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def stop_length(new: Sequence[int]) -> int | None:
+        """Fewest leading tokens of ``new`` whose text contains a stop string (None: no stop string)."""
+        if not stops or not any(s in decode(new) for s in stops):
+            return None
+        lo, hi = 1, len(new)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in decode(new[:mid]) for s in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     @torch.inference_mode()
     def generate_batch(batch: Sequence[Problem]) -> None:
@@ -336,7 +400,7 @@ def make_batched_single_config(
         width = max(map(len, prompts))
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts], device=member.device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts], device=member.device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         out = member.model.generate(
             input_ids=ids,
             attention_mask=mask,
@@ -344,24 +408,32 @@ def make_batched_single_config(
             do_sample=False,
             eos_token_id=eos,
             pad_token_id=pad,
+            **stop_kwargs,
         )
         per_problem = (time.perf_counter() - start) / len(batch)
+        cpu_per_problem = (time.process_time() - cpu_start) / len(batch)
         for p, row in zip(batch, out[:, width:].tolist(), strict=True):
             ended = next((i for i, t in enumerate(row) if t in member.eos_ids), None)
             new = row if ended is None else row[:ended]
             tokens = len(new) if ended is None else ended + 1  # the EOS counts, as in the engine's stats
+            finish = "length" if ended is None else "eos"
+            stopped = stop_length(new)
+            if stopped is not None:  # a stop string ends the answer (rows after it are padding)
+                new, tokens, finish = new[:stopped], stopped, "stop"
             answers[p.id] = {
-                "text": member.tokenizer.decode(new, skip_special_tokens=True),
-                "finish_reason": "length" if ended is None else "eos",
+                "text": _cut_at_stop(decode(new), stops),
+                "finish_reason": finish,
                 "tokens": tokens,
                 "ensembled_tokens": 0,
                 "ensemble_rate": 0.0,
                 "wall_time_s": per_problem,
+                "cpu_time_s": cpu_per_problem,
                 "tokens_per_s": tokens / per_problem,
                 "method": "hf_generate_batched",
                 "batch_size": len(batch),
                 "max_new_tokens": max_new_tokens,
                 "chat": True,
+                **({"stop": list(stops)} if stops else {}),
             }
 
     def run(problem: Problem) -> dict[str, Any]:

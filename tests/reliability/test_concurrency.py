@@ -22,6 +22,8 @@ PROMPTS = [
     "def f(x):\n    return",
     "</s><s> [INST] hi [/INST]",
 ]
+# schedule="rounds": alone, a request may take the overlap schedule, which gives the same text but other
+# counts (rounds; tokens consumed past a stop string); batched requests always decode in rounds.
 CONFIGS: list[dict[str, Any]] = [
     dict(method="safe", max_new_tokens=8),
     dict(method="every_token", max_new_tokens=6),
@@ -32,6 +34,7 @@ CONFIGS: list[dict[str, Any]] = [
     dict(method="safe", draft_length=2, sharpening="geometric", max_new_tokens=9),
     dict(method="safe", do_sample=True, seed=5, temperature=0.9, max_new_tokens=8),
 ]
+CONFIGS = [{**c, "schedule": "rounds"} for c in CONFIGS]
 MESSAGES = [
     [{"role": "user", "content": "Say <|im_end|> twice"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "世界?"}],

@@ -9,7 +9,7 @@ import weakref
 import pytest
 
 from safe_engine import Ensemble, Member
-from safe_engine.decoding import Track
+from safe_engine.packed import KVPool
 from tests.conftest import tiny_member
 
 from .conftest import check_invariants, live_caches
@@ -63,34 +63,43 @@ def test_200_sequential_calls_do_not_leak(ens2, monkeypatch):
 def test_long_generation_cache_holds_exactly_prompt_plus_generated(monkeypatch, members, method):
     max_new = 2048
     ens = Ensemble([tiny_member("gpt2", 3) for _ in range(members)])
-    seen: dict[str, int] = {}
-    original = Track.run
+    seen: dict[int, int] = {}  # id(member) -> the longest cache it held
+    pools: list[KVPool] = []
+    original = Member.forward_many
 
-    def run(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        length = self.cache.get_seq_length()
-        assert length == len(self.ids), (self.name, length, len(self.ids))  # the cache mirrors its ids
-        assert length <= self.prompt_len + max_new
-        seen[self.name] = max(seen.get(self.name, 0), length)
-        layers = self.cache.layers
-        assert all(layer.keys.shape[-2] == length for layer in layers)
+    def forward_many(self, jobs):
+        out = original(self, jobs)
+        for job in jobs:
+            pool = job.cache
+            assert isinstance(pool, KVPool)  # tiny Llamas decode with packed pools
+            assert pool.length == job.start + len(job.ids)  # the cache mirrors the ids fed so far
+            assert pool.length <= len(ens.members[0].prompt_ids("A long story begins")) + max_new
+            seen[id(self)] = max(seen.get(id(self), 0), pool.length)
+            capacity = max(k.shape[1] for k in pool.keys.values())
+            assert capacity <= max(256, 2 * pool.length)  # grown by doubling, never more
+            if pool not in pools:
+                pools.append(pool)
         return out
 
-    monkeypatch.setattr(Track, "run", run)
+    monkeypatch.setattr(Member, "forward_many", forward_many)
     prompt = "A long story begins"
-    stream = ens.stream(prompt, max_new_tokens=max_new, method=method)
-    gen = stream._generation
+    n_prompt = len(ens.members[0].prompt_ids(prompt))
+    stream = ens.stream(prompt, max_new_tokens=max_new, method=method, schedule="rounds")
     text = "".join(stream)
     res = stream.result
     assert res.text == text and res.finish_reason == "length" and res.stats.tokens == max_new
-    n_prompt = gen.tracks[0].prompt_len
-    assert seen[ens.names[0]] == n_prompt + max_new - 1  # the last token is never fed back
+    assert seen[id(ens.members[0])] == n_prompt + max_new - 1  # the last token is never fed back
     if members == 2:
-        assert seen[ens.names[1]] == n_prompt + max_new  # the verifier scores every drafted token
+        assert seen[id(ens.members[1])] == n_prompt + max_new  # the verifier scores every drafted token
         assert res.stats.ensembled_tokens == 0
         assert res.stats.forward_passes[ens.names[1]] == res.stats.rounds
-    assert all(t.cache is None for t in gen.tracks)
+    assert ens.open_requests == 0
     config = ens.members[0].model.config
     head_dim = config.hidden_size // config.num_attention_heads
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4  # float32 K and V
     assert per_token * (n_prompt + max_new) < 2 * 2**20  # expected size of a full cache: ~1 MB here
+    del stream, res
+    pools_alive = [weakref.ref(p) for p in pools]
+    pools.clear()
+    gc.collect()
+    assert all(ref() is None for ref in pools_alive)  # the request's pools were freed

@@ -17,7 +17,9 @@ BYTE_LEVEL = ["gpt2", "qwen2.5-7b-instruct", "gpt-neox-20b", "exaone-3.5"]
 
 
 def vocab(name: str) -> Vocab:
-    return _VOCABS.setdefault(name, Vocab(tokenizer(name)))
+    if name not in _VOCABS:
+        _VOCABS[name] = Vocab(tokenizer(name))
+    return _VOCABS[name]
 
 
 _VOCABS: dict[str, Vocab] = {}

@@ -31,6 +31,22 @@ def test_generate_json(model_dirs, capsys):
     assert 0 <= result["stats"]["ensemble_rate"] <= 1
 
 
+def test_generate_writes_the_trace_as_json_lines(model_dirs, capsys, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    base = ["generate", "-m", model_dirs[0], "-m", model_dirs[1], "--max-new-tokens", "12", "--json"]
+    assert main([*base, "--trace", str(path), "Hello"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    points = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert len(points) == result["stats"]["ensembled_tokens"] > 0
+    assert {"offset", "drafted", "chosen", "replaced", "member_probs", "candidates", "gates"} <= set(points[0])
+    assert main([*base, "--method", "every_token", "--trace", "-", "Hello"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    stats = json.loads(out[0])["stats"]
+    assert stats["gates"] == [] and len(out) - 1 == stats["ensembled_tokens"] == stats["tokens"]
+    assert main([*base, "--gates", "boundary", "Hello"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["gates"] == ["boundary"]
+
+
 def test_generate_stream_prints_text_and_stats(model_dirs, capsys):
     rc = main(["generate", "-m", model_dirs[0], "-m", model_dirs[1], "--max-new-tokens", "6", "--stream", "Hi"])
     captured = capsys.readouterr()
@@ -70,28 +86,24 @@ def test_bench_reports_ratios_next_to_floors_and_plots(model_dirs, tmp_path, cap
     assert json.loads(capsys.readouterr().out) == result
     (run,) = result["runs"]
     assert run["members"] == [m.rsplit("/", 1)[-1] for m in model_dirs] and set(run["t5_s"]) == set(run["members"])
+    from safe_engine.bench import CONFIGS
+
     for n in ("4", "8"):
         row = run["lengths"][n]
-        assert set(row) == {
-            "hf_generate",
-            "ratios",
-            "single:unite",
-            "every_token:unite",
-            "every_token:gac",
-            "safe:unite",
-            "safe:gac",
-        }
-        assert row["single:unite"]["tokens"] == int(n) and row["single:unite"]["ensemble_rate"] == 0
-        ratios = row["ratios"]
-        assert ratios["single/hf_generate"]["floor"] == 1.0
-        assert 0 < ratios["safe/drafter_alone"]["floor"] < 1 < ratios["safe/every_token"]["floor"]
-        assert all(r["measured"] > 0 for r in ratios.values())
+        assert set(row["configs"]) == set(CONFIGS)
+        single = row["configs"]["single"]
+        assert single["tokens"] == int(n) and single["ensemble_rate"] == 0 and single["floor_vs_drafter_alone"] is None
+        for name in ("safe rounds", "safe + adaptive draft", "safe + overlap", "safe default"):
+            r = row["configs"][name]
+            assert 0 < r["floor_vs_drafter_alone"] <= 1 and r["vs_drafter_alone"] > 0
+            assert r["diverges_from_rounds_at_char"] is None  # every schedule: the same greedy text
+        assert 0 < row["floor_every_token_vs_drafter_alone"] < 1
     assert png.stat().st_size > 10_000
     png.unlink()
     md = tmp_path / "speed.md"
     assert main(["bench", "--from-json", str(out), "--plot", str(png), "--markdown", str(md)]) == 0
     assert png.stat().st_size > 10_000
     table = md.read_text().splitlines()
-    assert len(table) == 4 and table[2].startswith(f"| {' + '.join(run['members'])} | 4 |")
-    floor = run["lengths"]["8"]["ratios"]["safe/drafter_alone"]["floor"]
-    assert f"({floor:.2f})" in table[3]
+    assert len(table) == 2 + 2 * (1 + len(CONFIGS)) and table[2].startswith(f"| {' + '.join(run['members'])} | 4 |")
+    floor = run["lengths"]["8"]["configs"]["safe rounds"]["floor_vs_drafter_alone"]
+    assert any(f"({floor:.2f})" in line and "safe rounds" in line for line in table[-len(CONFIGS) :])

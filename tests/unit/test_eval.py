@@ -97,6 +97,10 @@ def test_extract_number_none_and_equality() -> None:
     assert numbers_equal("-3", "−3")
     assert not numbers_equal("18", "19")
     assert not numbers_equal(None, "1")
+    assert numbers_equal("1000000.0001", "1000000") and not numbers_equal("1000.01", "1000")
+    huge = "9" * 400  # a model looping on one digit: no float overflow, just not equal
+    assert extract_number(f"So the answer is {huge}") == huge and not numbers_equal(huge, "18")
+    assert not score(Problem(id="g", task="gsm8k", question="?", answer="18"), f"The answer is {huge}.").correct
 
 
 @pytest.mark.parametrize(
@@ -646,6 +650,28 @@ def test_batched_single_config_answers_like_the_engines_single_method(tmp_path: 
         assert b["method"] == "hf_generate_batched" and b["batch_size"] in (3, 2) and b["wall_time_s"] > 0
 
 
+def test_batched_single_config_stop_strings(tmp_path: Path) -> None:
+    """A stop string ends a row's answer: text cut before it, finish "stop", tokens up to it; CPU time kept."""
+    from safe_engine.eval import make_batched_single_config
+    from tests.conftest import tiny_member
+
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    member = tiny_member("qwen2.5-7b-instruct", 3)
+    problems = [Problem(id=f"q{i}", task="gsm8k", question=q, answer="0") for i, q in enumerate(["1+1?", "2+2?"])]
+    free = make_batched_single_config(member, problems, batch_size=2, max_new_tokens=12)
+    plain = {p.id: free(p) for p in problems}
+    text = plain["q0"]["text"]
+    stop = text[len(text) // 2 :][:2]  # two characters from the middle of the first answer
+    assert stop.strip() and plain["q0"]["finish_reason"] == "length" and "cpu_time_s" in plain["q0"]
+    stopped = make_batched_single_config(member, problems, batch_size=2, max_new_tokens=12, stop=(stop,))
+    got = {p.id: stopped(p) for p in problems}
+    assert got["q0"]["text"] == text[: text.index(stop)] and got["q0"]["finish_reason"] == "stop"
+    assert 0 < got["q0"]["tokens"] <= plain["q0"]["tokens"] and got["q0"]["stop"] == [stop]
+    if stop not in plain["q1"]["text"]:  # the other row is unaffected
+        assert got["q1"]["text"] == plain["q1"]["text"] and got["q1"]["finish_reason"] == plain["q1"]["finish_reason"]
+
+
 def test_problem_seed_is_stable() -> None:
     assert problem_seed(1, "gsm8k/3") == problem_seed(1, "gsm8k/3")
     assert problem_seed(1, "gsm8k/3") != problem_seed(2, "gsm8k/3")
@@ -739,3 +765,31 @@ def test_report_without_token_counts(tmp_path: Path) -> None:
     assert row.ensemble_rate is None and row.tokens_per_s is None and row.accuracy == 1.0
     paths = write_report(records, tmp_path, plot=False)
     assert "png" not in paths and "| x | 1 | 100.00 | – | – | 1.00 | 0 |" in paths["md"].read_text(encoding="utf-8")
+
+
+def test_batched_ensemble_rows_answer_like_one_at_a_time(tmp_path: Path) -> None:
+    """Ensemble rows decode several problems together; each answer (seeded sampling included) is the one the
+    problem gets alone."""
+    from safe_engine import Ensemble
+    from tests.conftest import tiny_member
+
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(1)
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    ens = Ensemble([tiny_member("qwen2.5-7b-instruct", 3), tiny_member("llama2", 2, chat_template=template)])
+    questions = ["1+1?", "What is seven times six, in words?", "2?", "Tom has 3 apples and eats one. How many?", "x"]
+    problems = [Problem(id=f"q{i}", task="gsm8k", question=q, answer="0") for i, q in enumerate(questions)]
+    options = {"method": "safe", "do_sample": True, "seed": 4, "max_new_tokens": 16, "schedule": "rounds"}
+    batched = make_ensemble_config(ens, problems=problems, batch_size=3, **options)
+    alone = make_ensemble_config(ens, **options)
+    records = run_eval({"batched": batched, "alone": alone}, problems, tmp_path / "e.jsonl", progress=False)
+    got = {(r["config"], r["problem_id"]): r for r in records}
+    for p in problems:
+        b, a = got["batched", p.id], got["alone", p.id]
+        assert (b["text"], b["tokens"], b["ensembled_tokens"], b["seed"]) == (
+            a["text"],
+            a["tokens"],
+            a["ensembled_tokens"],
+            a["seed"],
+        )
+        assert b["batch_size"] in (3, 2) and "batch_size" not in a

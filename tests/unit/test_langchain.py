@@ -18,14 +18,17 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 from langchain_core.tools import tool
+from langchain_core.utils.function_calling import convert_to_json_schema
 from pydantic import BaseModel
 
 from langchain_safe import ChatSafe, SafeLLM
-from langchain_safe._messages import ContentStream, new_tool_call_id, parse_reply, to_engine_messages
-from safe_engine import Ensemble, EnsembleStats, GenerationResult, SafeEngineError
+from langchain_safe._messages import to_engine_messages
+from safe_engine import Ensemble, GenerationTimeout, SafeEngineError
 from safe_engine.chat import chat_prompt_ids
 from safe_engine.errors import ConfigError, InputError
+from safe_engine.tools import new_tool_call_id
 from tests.conftest import tiny_member, tokenizer
+from tests.scripted import ScriptedStream, patch_streams, script
 
 PROMPT = "The quick brown fox"
 N = 12
@@ -78,53 +81,6 @@ class Recorder(BaseCallbackHandler):
         self.ends.append(response)
 
 
-class ScriptedStream:
-    """Stands in for the engine's TextStream: yields given deltas, then holds a GenerationResult."""
-
-    def __init__(self, deltas: list[str], finish: str = "eos", prompt_tokens: dict | None = None) -> None:
-        self._left = list(deltas)
-        self._text = "".join(deltas)
-        self._finish = finish
-        self._prompt_tokens = prompt_tokens or {}
-        self.result: GenerationResult | None = None
-        self.closed = False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> str:
-        if not self._left:
-            self._done()
-            raise StopIteration
-        delta = self._left.pop(0)
-        if not self._left:
-            self._done()
-        return delta
-
-    def _done(self) -> None:
-        if self.result is None:
-            stats = EnsembleStats(method="safe", tokens=7, ensembled_tokens=1, rounds=2)
-            stats.prompt_tokens = dict(self._prompt_tokens)
-            self.result = GenerationResult(self._text, self._finish, stats)
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def script(monkeypatch, ens: Ensemble, *replies: list[str]) -> list[dict]:
-    """Make `ens` reply with the given delta lists, in order; returns the captured request kwargs."""
-    calls: list[dict] = []
-    queue = list(replies)
-
-    def fake_stream(prompt=None, **kwargs):
-        calls.append({"prompt": prompt, **kwargs})
-        deltas = queue.pop(0) if len(queue) > 1 else queue[0]
-        return ScriptedStream(deltas, prompt_tokens={name: 10 + i for i, name in enumerate(ens.names)})
-
-    monkeypatch.setattr(ens, "stream", fake_stream)
-    return calls
-
-
 # -- SafeLLM ---------------------------------------------------------------------------------------------
 def test_llm_invoke_matches_the_engine(llm, ens):
     expected = ens.generate(PROMPT, max_new_tokens=N)
@@ -135,6 +91,25 @@ def test_llm_invoke_matches_the_engine(llm, ens):
 def test_llm_batch(llm, ens):
     prompts = [PROMPT, "Once upon a time"]
     assert llm.batch(prompts) == [ens.generate(p, max_new_tokens=N).text for p in prompts]
+
+
+def test_batches_decode_together(llm, chat, ens, monkeypatch):
+    """SafeLLM.batch / abatch and ChatSafe.batch put the prompts in one engine batch (the scheduler steps
+    them in the same rounds); each answer is the one the prompt gets alone."""
+    from safe_engine import decoding
+
+    prompts = ["Hello", "The quick brown fox", "Once upon a time"]
+    options = {"schedule": "rounds"}  # alone, a request may overlap instead: the same text either way
+    alone = [llm.invoke(p, **options) for p in prompts]
+    widths: list[int] = []
+    run_round = decoding.run_round
+    monkeypatch.setattr("safe_engine.scheduler.run_round", lambda gens: widths.append(len(gens)) or run_round(gens))
+    assert llm.batch(prompts, **options) == alone and max(widths) == 3
+    widths.clear()
+    assert asyncio.run(llm.abatch(prompts, **options)) == alone and max(widths) == 3
+    widths.clear()
+    replies = chat.batch(prompts, **options)
+    assert [r.content for r in replies] == [chat.invoke(p, **options).content for p in prompts] and max(widths) >= 2
 
 
 def test_llm_generate_carries_stats_and_finish_reason(llm):
@@ -320,8 +295,12 @@ def test_messages_to_openai_dicts():
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [
-                {"id": "abc123xyz", "type": "function", "function": {"name": "multiply", "arguments": {"a": 2, "b": 3}}}
+            "tool_calls": [  # OpenAI's shape (arguments as JSON text); the engine shapes it for each template
+                {
+                    "id": "abc123xyz",
+                    "type": "function",
+                    "function": {"name": "multiply", "arguments": '{"a": 2, "b": 3}'},
+                }
             ],
         },
         {"role": "tool", "content": "6", "tool_call_id": "abc123xyz", "name": "multiply"},
@@ -337,9 +316,10 @@ def test_messages_to_openai_dicts():
 
 
 def test_tool_history_renders_in_every_template(members):
-    """Our tool-call ids satisfy Mistral's strict template; Qwen and EXAONE accept the same history."""
+    """OpenAI-style ids reach Mistral's strict template (9 alphanumerics) as an alias; Qwen and EXAONE
+    render the same history."""
     call_id = new_tool_call_id()
-    assert len(call_id) == 9 and call_id.isalnum()
+    assert call_id.startswith("call_") and len(call_id) == 29
     history = to_engine_messages(
         [
             HumanMessage("What is 2*3?"),
@@ -350,7 +330,7 @@ def test_tool_history_renders_in_every_template(members):
     mistral = tiny_member("mistral-7b-instruct-v0.3", 3)
     for member in [*members, mistral]:
         text = member.tokenizer.decode(chat_prompt_ids(member, history, None))
-        assert "6" in text and "What is 2*3?" in text
+        assert "6" in text and "What is 2*3?" in text and "multiply" in text
 
 
 def test_chat_invoke_stream_astream_agree(chat, ens):
@@ -423,125 +403,6 @@ def _multiply_schema():
     return [convert_to_openai_tool(multiply), convert_to_openai_tool(add)]
 
 
-@pytest.mark.parametrize(
-    ("text", "content", "calls"),
-    [
-        (
-            '<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
-            "",
-            [("multiply", {"a": 2, "b": 3})],
-        ),
-        (
-            'Let me compute.\n<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>\n'
-            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}</tool_call>',
-            "Let me compute.\n",
-            [("multiply", {"a": 2, "b": 3}), ("add", {"a": 1, "b": 1})],
-        ),
-        ('{"name": "multiply", "arguments": {"a": 2, "b": 3}}', "", [("multiply", {"a": 2, "b": 3})]),
-        ('```json\n{"name": "add", "parameters": {"a": 1, "b": 2}}\n```', "", [("add", {"a": 1, "b": 2})]),
-        (
-            '[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "multiply", "arguments": {"a": 3, "b": 4}}]',
-            "",
-            [("add", {"a": 1, "b": 2}), ("multiply", {"a": 3, "b": 4})],
-        ),
-        ('<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}', "", [("multiply", {"a": 2, "b": 3})]),
-        (
-            'The value of multiply(2, 3) is {"name": "multiply", "arguments": {"a": 2, "b": 3}}.',
-            "The value of multiply(2, 3) is .",
-            [("multiply", {"a": 2, "b": 3})],
-        ),
-        (
-            'Here:\n```json\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n```\nDone.',
-            "Here:\n\nDone.",
-            [("multiply", {"a": 2, "b": 3})],
-        ),
-        (
-            '{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}',
-            "",
-            [("add", {"a": 1, "b": 2})],
-        ),
-        # cut off by the token limit: closing the brackets completes it
-        ('{"name": "multiply", "arguments": {"a": 2, "b": 3}', "", [("multiply", {"a": 2, "b": 3})]),
-        ('<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3},', "", [("multiply", {"a": 2, "b": 3})]),
-        ('Data: {"name": "multiply", "colour": "red"}', 'Data: {"name": "multiply", "colour": "red"}', []),
-        ("The answer is {a: 1}.", "The answer is {a: 1}.", []),
-    ],
-)
-def test_parse_reply(text, content, calls):
-    parsed = parse_reply(text, _multiply_schema())
-    assert parsed.content == content
-    assert [(c["name"], c["args"]) for c in parsed.tool_calls] == calls
-    assert not parsed.invalid_tool_calls
-    assert all(len(c["id"]) == 9 for c in parsed.tool_calls)
-
-
-def test_parse_reply_without_tools_is_plain_text():
-    text = '<tool_call>{"name": "multiply", "arguments": {}}</tool_call>'
-    assert parse_reply(text, None).content == text
-
-
-@pytest.mark.parametrize(
-    ("text", "name", "error"),
-    [
-        ("<tool_call>{not json}</tool_call>", None, "invalid JSON"),
-        ('<tool_call>{"name": "multiply", "arguments": {"a": 2,</tool_call>', "multiply", "invalid JSON"),
-        ('<tool_call>{"arguments": {}}</tool_call>', None, "name"),
-        ('<tool_call>{"name": "multiply", "arguments": [1, 2]}</tool_call>', "multiply", "JSON object"),
-        ('<tool_call>{"name": "multiply", "arguments": "{oops"}</tool_call>', "multiply", "not valid JSON"),
-        ('<tool_call>["multiply"]</tool_call>', None, "JSON object"),
-        ('{"name": "multiply", "arguments": {"a": "tw', "multiply", "invalid JSON"),  # cut inside a string
-        # a copy of the schema, cut inside a string: the whole wrapper goes, not just the inner object
-        ('{"type": "function", "function": {"name": "multiply", "parameters": {"a": "tw', "multiply", "invalid JSON"),
-        ('{"name": "hello", "arguments": {"message": "Hi"}}', "hello", "unknown tool 'hello'"),  # untagged, unbound
-        ('{"name": "multiply", "arguments": {"a": 2}} }', None, None),  # extra brace after a valid call
-    ],
-)
-def test_malformed_tool_calls_become_invalid_tool_calls(text, name, error):
-    parsed = parse_reply(text, _multiply_schema())
-    if error is None:  # the call parses; the stray brace stays as text
-        assert [c["name"] for c in parsed.tool_calls] == ["multiply"] and parsed.content == " }"
-        return
-    assert parsed.tool_calls == [] and parsed.content == ""
-    (bad,) = parsed.invalid_tool_calls
-    assert bad["name"] == name and error in bad["error"] and bad["args"]
-
-
-def test_forced_single_tool_accepts_bare_arguments():
-    schema = _multiply_schema()[:1]
-    parsed = parse_reply('{"a": 2, "b": 3}', schema, forced="multiply")
-    assert [(c["name"], c["args"]) for c in parsed.tool_calls] == [("multiply", {"a": 2, "b": 3})]
-    assert parse_reply('{"a": 2}', schema, forced="multiply").tool_calls == []  # "b" is required
-    assert parse_reply('{"a": 2, "b": 3}', schema).tool_calls == []  # not forced: just text
-    # a value where the tool name belongs, arguments that fit the forced tool
-    misnamed = '{"name": "Acme", "arguments": {"a": 2, "b": 3}}'
-    parsed = parse_reply(misnamed, schema, forced="multiply")
-    assert [(c["name"], c["args"]) for c in parsed.tool_calls] == [("multiply", {"a": 2, "b": 3})]
-    assert parse_reply(misnamed, schema).invalid_tool_calls[0]["error"].startswith("unknown tool 'Acme'")
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "Plain answer with no call.",
-        'Sure.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call>',
-        '\n\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
-        '{"name": "multiply", "arguments": {"a": 2, "b": 3}}',
-        "Text with a < sign and <tool_c but no call",
-        "<tool_call>{broken</tool_call> trailing words",
-        'The value is {"name": "multiply", "arguments": {"a": 2, "b": 3}}. Done.',
-        'Code:\n```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```',
-        "Braces {like this} in prose",
-    ],
-)
-def test_content_stream_is_a_prefix_of_the_final_content(text):
-    for step in (1, 3, 7):
-        stream = ContentStream(_multiply_schema())
-        out = "".join(stream.feed(text[i : i + step]) for i in range(0, len(text), step))
-        assert "<tool_call" not in out and "{" not in out and "`" not in out
-        tail, parsed = stream.finish()
-        assert out + tail == parsed.content == parse_reply(text, _multiply_schema()).content
-
-
 def test_tool_calls_end_to_end_with_a_scripted_reply(chat, ens, monkeypatch):
     reply = ["Sure.", '\n<tool_call>\n{"name": "multiply", ', '"arguments": {"a": 2, "b": 3}}\n</tool_call>']
     calls = script(monkeypatch, ens, reply)
@@ -590,18 +451,17 @@ def test_tool_choice_and_parallel_tool_calls(chat, ens, monkeypatch):
         [SystemMessage("Be exact."), HumanMessage("?")]
     )
     assert len(msg.tool_calls) == 2
-    assert calls[-1]["messages"][0] == {
-        "role": "system",
-        "content": 'Be exact.\n\nYou must call the tool "multiply". Reply with only the tool call, no other text.',
-    }
+    # the engine enforces the choice (grammar) and instructs the members; the adapter passes it on
+    assert calls[-1]["messages"][0] == {"role": "system", "content": "Be exact."}
+    assert calls[-1]["tool_choice"] == "multiply" and calls[-1]["parallel_tool_calls"] is True
     chat.bind_tools([multiply, add], tool_choice="any").invoke("?")
-    assert calls[-1]["messages"][0]["content"].startswith("You must call one of the tools.")
+    assert calls[-1]["tool_choice"] == "required"
     chat.bind_tools([multiply, add], tool_choice="auto").invoke("?")
-    assert calls[-1]["messages"] == [{"role": "user", "content": "?"}]
+    assert calls[-1]["messages"] == [{"role": "user", "content": "?"}] and calls[-1]["tool_choice"] is None
     msg = chat.bind_tools([multiply, add], tool_choice="none").invoke("?")
     assert not calls[-1].get("tools") and msg.tool_calls == []
     msg = chat.bind_tools([multiply, add], parallel_tool_calls=False).invoke("?")
-    assert [c["name"] for c in msg.tool_calls] == ["add"]
+    assert [c["name"] for c in msg.tool_calls] == ["add"] and calls[-1]["parallel_tool_calls"] is False
     with pytest.raises(ConfigError, match="not a bound tool"):
         chat.bind_tools([multiply], tool_choice="divide")
 
@@ -612,11 +472,13 @@ def test_with_structured_output_via_tools(chat, ens, monkeypatch):
 
         value: int
 
-    script(monkeypatch, ens, ['{"value": 6}'])  # a small model's bare-arguments reply
-    assert chat.with_structured_output(Product).invoke("2*3?") == Product(value=6)
+    calls = script(monkeypatch, ens, ['{"value": 6}'])  # a small model's bare-arguments reply
+    assert chat.with_structured_output(Product, method="function_calling").invoke("2*3?") == Product(value=6)
+    assert calls[-1]["tool_choice"] == "required" and [t["function"]["name"] for t in calls[-1]["tools"]] == ["Product"]
     script(monkeypatch, ens, ['<tool_call>{"name": "Product", "arguments": {"value": 6}}</tool_call>'])
-    assert chat.with_structured_output(Product.model_json_schema()).invoke("2*3?") == {"value": 6}
-    raw = chat.with_structured_output(Product, include_raw=True).invoke("2*3?")
+    schema = Product.model_json_schema()
+    assert chat.with_structured_output(schema, method="function_calling").invoke("2*3?") == {"value": 6}
+    raw = chat.with_structured_output(Product, method="function_calling", include_raw=True).invoke("2*3?")
     assert raw["parsed"] == Product(value=6) and isinstance(raw["raw"], AIMessage)
 
 
@@ -646,8 +508,12 @@ def test_engine_errors_surface_as_safe_engine_errors(chat):
 def test_unknown_constructor_parameters_are_refused(ens):
     with pytest.raises(ConfigError, match="unknown parameter"):
         ChatSafe(ensemble=ens, max_new_token=5)
-    # LangChain's standard hosted-model parameters are accepted (and have nothing to do here).
-    assert ChatSafe(ensemble=ens, api_key="x", timeout=30, max_retries=1, streaming=True).streaming
+    # LangChain's standard parameters: api_key is accepted (nothing to authenticate), timeout is the
+    # engine's timeout_s, retries are refused (a local generation would fail the same way again).
+    chat = ChatSafe(ensemble=ens, api_key="x", timeout=30, max_retries=0, streaming=True)
+    assert chat.streaming and chat.timeout_s == 30
+    with pytest.raises(ConfigError, match=r"does not retry .*with_retry"):
+        ChatSafe(ensemble=ens, max_retries=2)
 
 
 def test_package_imports_without_llama_index():
@@ -667,7 +533,7 @@ def test_leaving_a_stream_early_frees_the_request(llm, chat, ens, monkeypatch):
         opened.append(ScriptedStream(["a", "b", "c", "d"]))
         return opened[-1]
 
-    monkeypatch.setattr(ens, "stream", fake_stream)
+    patch_streams(monkeypatch, ens, fake_stream)
     for model in (llm, chat):
         stream = model.stream("Hi")
         next(stream)
@@ -681,3 +547,50 @@ def test_leaving_a_stream_early_frees_the_request(llm, chat, ens, monkeypatch):
 
         asyncio.run(first())
         assert opened[-1].closed and opened[-1].result is None
+
+
+def test_timeout_is_the_engines_timeout_s_and_is_enforced(ens):
+    """`timeout` (LangChain's standard name) is `timeout_s`: a generation past it raises GenerationTimeout."""
+    for model in (
+        ChatSafe(ensemble=ens, max_tokens=N, timeout=1e-9),
+        SafeLLM(ensemble=ens, max_tokens=N, timeout=1e-9),
+    ):
+        assert model.timeout_s == 1e-9
+        with pytest.raises(GenerationTimeout, match="timeout_s"):
+            model.invoke(PROMPT)
+        with pytest.raises(GenerationTimeout):
+            list(model.stream(PROMPT))
+    # per call, under either name
+    chat = ChatSafe(ensemble=ens, max_tokens=N)
+    with pytest.raises(GenerationTimeout):
+        chat.invoke(PROMPT, timeout=1e-9)
+    with pytest.raises(GenerationTimeout):
+        asyncio.run(chat.ainvoke(PROMPT, timeout_s=1e-9))
+    assert chat.invoke(PROMPT, timeout=60).content == chat.invoke(PROMPT).content
+    with pytest.raises(ConfigError, match="timeout_s must be a positive number"):
+        ChatSafe(ensemble=ens, timeout=0)
+
+
+def test_with_structured_output_methods(chat, ens, monkeypatch):
+    class Product(BaseModel):
+        """The product of two numbers."""
+
+        value: int
+
+    calls = script(monkeypatch, ens, ['{"value": 6}'])
+    # json_schema (the default): the engine decodes under the schema; no tools are bound
+    assert chat.with_structured_output(Product).invoke("2*3?") == Product(value=6)
+    assert calls[-1]["json_schema"] == convert_to_json_schema(Product) and not calls[-1].get("tools")
+    assert chat.with_structured_output(Product, method="json_schema").invoke("2*3?") == Product(value=6)
+    # json_mode: any JSON object (the parser also takes a code fence, e.g. from a scripted reply)
+    calls = script(monkeypatch, ens, ['Here it is:\n```json\n{"value": 6}\n```'])
+    assert chat.with_structured_output(Product, method="json_mode").invoke("2*3? Reply in JSON.") == Product(value=6)
+    assert calls[-1]["json_schema"] == {"type": "object"}
+    assert chat.with_structured_output(Product.model_json_schema(), method="json_mode").invoke("?") == {"value": 6}
+    raw = chat.with_structured_output(Product, method="json_mode", include_raw=True).invoke("?")
+    assert raw["parsed"] == Product(value=6) and raw["parsing_error"] is None and isinstance(raw["raw"], AIMessage)
+    script(monkeypatch, ens, ["no JSON at all"])
+    failed = chat.with_structured_output(Product, method="json_mode", include_raw=True).invoke("?")
+    assert failed["parsed"] is None and failed["parsing_error"] is not None
+    with pytest.raises(ConfigError, match="unknown method 'xml'"):
+        chat.with_structured_output(Product, method="xml")

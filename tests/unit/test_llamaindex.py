@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from llama_index.core import Document, MockEmbedding, Settings, VectorStoreIndex
+from llama_index.core.agent.workflow import FunctionAgent
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
+from llama_index.core.base.llms.types import TextBlock, ToolCallBlock
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -27,12 +29,28 @@ from llama_index.core.instrumentation.events.llm import (
     LLMCompletionStartEvent,
 )
 from llama_index.core.llms import ChatMessage, CompletionResponse, MessageRole
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.tools import FunctionTool
+from pydantic import BaseModel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import safe_engine.ensemble
 from llamaindex_safe import SafeLLM
-from safe_engine import ChatTemplateError, ConfigError, Ensemble, InputTypeError, Member, ModelLoadError
+from safe_engine import (
+    ChatTemplateError,
+    ConfigError,
+    Ensemble,
+    GenerationTimeout,
+    InputTypeError,
+    Member,
+    ModelLoadError,
+    ToolCallError,
+)
+from safe_engine.tools import TOOL_CALL_OPEN
 from tests.conftest import tiny_member, tokenizer
+from tests.scripted import script
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The quick brown fox"
@@ -144,7 +162,7 @@ def test_construction_errors(ens):
         SafeLLM(models=["a", "b"], weights=[1.0])
     with pytest.raises(ConfigError, match="non-empty list"):
         SafeLLM(models="smollm2-135m")
-    with pytest.raises(ConfigError, match="apply to models"):
+    with pytest.raises(ConfigError, match="only apply when loading"):
         SafeLLM(ensemble=ens, weights=[1, 2])
     with pytest.raises(ConfigError, match=r"invalid top_k: .*integer.*'ten'"):
         SafeLLM(ensemble=ens, top_k="ten")
@@ -301,13 +319,16 @@ async def test_async_variants_match_sync(llm):
 def slow_llm(ens, monkeypatch):
     """Every member forward takes ≥ 30 ms more (a blocking sleep, as a real model's compute would be)."""
     for member in ens.members:
-        original = member.forward
+        for name in ("forward", "forward_many"):  # one request, or a batch of them
+            original = getattr(member, name, None)
+            if original is None:
+                continue
 
-        def slow(*args, _original=original, **kwargs):
-            time.sleep(0.03)
-            return _original(*args, **kwargs)
+            def slow(*args, _original=original, **kwargs):
+                time.sleep(0.03)
+                return _original(*args, **kwargs)
 
-        monkeypatch.setattr(member, "forward", slow)
+            monkeypatch.setattr(member, name, slow)
     return SafeLLM(ensemble=ens, max_new_tokens=N)
 
 
@@ -505,3 +526,173 @@ async def test_query_engine_async(ens, settings):
     engine = index.as_query_engine(similarity_top_k=2)
     response = await engine.aquery("Where is the Eiffel Tower?")
     assert str(response) == str(engine.query("Where is the Eiffel Tower?"))
+
+
+# -- tools: a FunctionCallingLLM ------------------------------------------------------------------------------
+# The engine shows the tools to each member's template and reads the calls back (safe_engine.tools). Tiny
+# random models write gibberish, so replies that must contain a call are scripted (tests/scripted.py); the
+# real decoding path runs too. Qwen's template renders tools; Mistral's too, with strict 9-character ids.
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers a and b."""
+    return a * b
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers a and b."""
+    return a + b
+
+
+TOOLS = [FunctionTool.from_defaults(multiply), FunctionTool.from_defaults(add)]
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+class Product(BaseModel):
+    """The product of two numbers."""
+
+    value: int
+
+
+def test_it_is_a_function_calling_llm(llm, ens):
+    assert isinstance(llm, FunctionCallingLLM) and isinstance(llm, CustomLLM)
+    assert llm.metadata.is_function_calling_model is True
+    no_template = SafeLLM(ensemble=Ensemble([tiny_member("qwen2.5-7b-instruct", 1), tiny_member("gpt2", 3)]))
+    assert no_template.metadata.is_function_calling_model is False  # tools need chat templates
+    custom = SafeLLM(ensemble=ens, messages_to_prompt=lambda messages: "x")
+    assert custom.metadata.is_function_calling_model is False
+    with pytest.raises(ConfigError, match="drop messages_to_prompt"):
+        custom.chat_with_tools(TOOLS, user_msg="2*3?")
+
+
+def test_chat_with_tools_end_to_end_on_tiny_models(llm, ens):
+    """The real path: schemas reach both templates, the reply is parsed, nothing raises."""
+    plain = ens.generate(messages=[{"role": "user", "content": "What is 2*3?"}], max_new_tokens=N)
+    response = llm.chat_with_tools(TOOLS, user_msg="What is 2*3?", tool_required=True)
+    assert response.raw["stats"]["prompt_tokens"][ens.names[0]] > plain.stats.prompt_tokens[ens.names[0]] + 50
+    assert isinstance(llm.get_tool_calls_from_response(response, error_on_no_tool_call=False), list)
+    chunks = list(llm.stream_chat_with_tools(TOOLS, user_msg="What is 2*3?"))
+    assert chunks and chunks[-1].raw["usage"]["completion_tokens"] > 0
+    assert all(TOOL_CALL_OPEN not in c.delta for c in chunks)
+
+
+def test_tool_calls_are_tool_call_blocks(llm, ens, monkeypatch):
+    calls = script(monkeypatch, ens, ["Let me compute. ", CALL])
+    response = llm.chat_with_tools(TOOLS, user_msg="What is 2*3?")
+    assert response.message.content == "Let me compute. "
+    (selection,) = llm.get_tool_calls_from_response(response)
+    assert (selection.tool_name, selection.tool_kwargs) == ("multiply", {"a": 2, "b": 3})
+    assert selection.tool_id.startswith("call_")
+    (block,) = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+    assert block.tool_call_id == selection.tool_id
+    request = calls[-1]
+    assert [t["function"]["name"] for t in request["tools"]] == ["multiply", "add"]
+    props = request["tools"][0]["function"]["parameters"]["properties"]
+    assert props == {"a": {"type": "integer"}, "b": {"type": "integer"}}  # no pydantic titles for a model to copy
+    assert request["messages"] == [{"role": "user", "content": "What is 2*3?"}]
+    assert request["max_new_tokens"] == N
+
+
+def test_parallel_calls_and_tool_required(llm, ens, monkeypatch):
+    two = CALL + '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    calls = script(monkeypatch, ens, [two])
+    both = llm.chat_with_tools(TOOLS, user_msg="?", allow_parallel_tool_calls=True)
+    assert [c.tool_name for c in llm.get_tool_calls_from_response(both)] == ["multiply", "add"]
+    first = llm.chat_with_tools(TOOLS, user_msg="?")  # allow_parallel_tool_calls=False by default
+    assert [c.tool_name for c in llm.get_tool_calls_from_response(first)] == ["multiply"]
+    assert calls[-1]["messages"] == [{"role": "user", "content": "?"}]
+    assert calls[-1]["tool_choice"] is None and calls[-1]["parallel_tool_calls"] is False
+    # the engine enforces the choice (a grammar) and instructs the members; the adapter passes it on
+    llm.chat_with_tools(TOOLS, user_msg="?", tool_required=True)
+    assert calls[-1]["tool_choice"] == "required"
+    llm.chat_with_tools(TOOLS, user_msg="?", tool_choice="add", allow_parallel_tool_calls=True)
+    assert calls[-1]["tool_choice"] == "add" and calls[-1]["parallel_tool_calls"] is True
+
+
+def test_no_call_and_invalid_calls(llm, ens, monkeypatch):
+    script(monkeypatch, ens, ["Just text."])
+    response = llm.chat_with_tools(TOOLS, user_msg="?")
+    assert llm.get_tool_calls_from_response(response, error_on_no_tool_call=False) == []
+    with pytest.raises(ToolCallError, match=r"without a tool call: 'Just text\.'.*error_on_no_tool_call=False"):
+        llm.get_tool_calls_from_response(response)
+    script(monkeypatch, ens, ['<tool_call>{"name": "multiply", "arguments": {a: 2}}</tool_call>'])
+    response = llm.chat_with_tools(TOOLS, user_msg="?")
+    (bad,) = response.raw["invalid_tool_calls"]
+    assert bad["name"] == "multiply" and "invalid JSON" in bad["error"]
+    with pytest.raises(ValueError, match="could not be read"):  # ToolCallError is a ValueError, as LlamaIndex expects
+        llm.get_tool_calls_from_response(response)
+
+
+def test_streaming_never_shows_a_call(llm, ens, monkeypatch):
+    script(
+        monkeypatch,
+        ens,
+        ["Sure", ". <tool", '_call>{"name": "multiply", ', '"arguments": {"a": 2, "b": 3}}</tool_call>'],
+    )
+    chunks = list(llm.stream_chat_with_tools(TOOLS, user_msg="2*3?"))
+    assert "".join(c.delta for c in chunks) == "Sure. " == chunks[-1].message.content
+    assert all(llm.get_tool_calls_from_response(c, error_on_no_tool_call=False) == [] for c in chunks[:-1])
+    (call,) = llm.get_tool_calls_from_response(chunks[-1])
+    assert call.tool_kwargs == {"a": 2, "b": 3} and chunks[-1].raw["usage"]
+
+    async def astream():
+        return [c async for c in await llm.astream_chat_with_tools(TOOLS, user_msg="2*3?")]
+
+    achunks = asyncio.run(astream())
+    assert [c.delta for c in achunks] == [c.delta for c in chunks]
+    assert llm.get_tool_calls_from_response(achunks[-1])[0].tool_kwargs == {"a": 2, "b": 3}
+    response = asyncio.run(llm.achat_with_tools(TOOLS, user_msg="2*3?"))
+    assert llm.get_tool_calls_from_response(response)[0].tool_name == "multiply"
+
+
+def test_tool_history_reaches_the_templates(llm, ens):
+    """A call and its result (ids of any shape) render through Qwen's and Mistral's (strict) templates."""
+    call = ToolCallBlock(
+        tool_call_id="call_0123456789abcdef01234567", tool_name="multiply", tool_kwargs={"a": 2, "b": 3}
+    )
+    history = [
+        ChatMessage(role=MessageRole.USER, content="What is 2*3?"),
+        ChatMessage(role=MessageRole.ASSISTANT, blocks=[TextBlock(text=""), call]),
+        ChatMessage(role=MessageRole.TOOL, content="6", additional_kwargs={"tool_call_id": call.tool_call_id}),
+    ]
+    response = llm.chat_with_tools(TOOLS, chat_history=history)
+    without = llm.chat(history[:1])
+    assert response.raw["stats"]["prompt_tokens"][ens.names[1]] > without.raw["stats"]["prompt_tokens"][ens.names[1]]
+
+
+def test_predict_and_call_and_structured_predict(llm, ens, monkeypatch):
+    script(monkeypatch, ens, [CALL])
+    assert llm.predict_and_call(TOOLS, user_msg="What is 2*3?").response == "6"
+    calls = script(monkeypatch, ens, ['{"value": 6}'])
+    prompt = PromptTemplate("What is {a} times {b}?")
+    assert llm.structured_predict(Product, prompt, a=2, b=3) == Product(value=6)
+    assert calls[-1]["json_schema"] == Product.model_json_schema() and not calls[-1].get("tools")
+    assert asyncio.run(llm.astructured_predict(Product, prompt, a=2, b=3)) == Product(value=6)
+    script(monkeypatch, ens, ['<tool_call>{"name": "Product", "arguments": {"value": 6}}</tool_call>'])
+    assert list(llm.stream_structured_predict(Product, prompt, a=2, b=3))[-1] == Product(value=6)
+
+
+def test_function_agent_with_a_scripted_reply(llm, ens, monkeypatch):
+    calls = script(monkeypatch, ens, [CALL], ["The answer is 6."])
+    agent = FunctionAgent(tools=TOOLS, llm=llm)
+
+    async def run():
+        handler = agent.run(user_msg="What is 2*3?")
+        events = [event async for event in handler.stream_events()]
+        return await handler, events
+
+    output, events = asyncio.run(run())
+    assert str(output) == "The answer is 6."
+    assert [c.tool_name for c in output.tool_calls] == ["multiply"] and output.tool_calls[0].tool_output.content == "6"
+    second = calls[1]["messages"]
+    call_id = second[1]["tool_calls"][0]["id"]
+    assert second[1]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 2, "b": 3}}
+    assert second[2] == {"role": "tool", "content": "6", "tool_call_id": call_id}
+    assert not any(TOOL_CALL_OPEN in getattr(e, "delta", "") for e in events)
+
+
+def test_timeout_is_enforced(ens):
+    llm = SafeLLM(ensemble=ens, max_new_tokens=N, timeout=1e-9)
+    assert llm.timeout_s == 1e-9
+    with pytest.raises(GenerationTimeout, match="timeout_s"):
+        llm.complete("The quick brown fox")
+    with pytest.raises(GenerationTimeout):
+        SafeLLM(ensemble=ens, max_new_tokens=N).chat([ChatMessage(role="user", content="Hi")], timeout=1e-9)

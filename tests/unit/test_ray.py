@@ -16,7 +16,7 @@ import torch
 
 from safe_engine import ConfigError, Ensemble, GenerationConfig, MemberError, ModelLoadError, ModelSpec
 from safe_engine.decoding import Generation
-from safe_engine.ray_backend import MIN_TOP_K, RayMember, load_ray_members, resolve_backends
+from safe_engine.ray import MIN_TOP_K, RayMember, load_ray_members, resolve_backends
 from tests.conftest import tiny_model, tokenizer
 
 ray = pytest.importorskip("ray")
@@ -131,7 +131,7 @@ def test_sampling_in_the_actor_is_reproducible(remote):
     key = member.new_cache()
     try:
         row = member.score(key, 0, member.prompt_ids(PROMPT), 1, GenerationConfig(do_sample=True))[0]
-        draws = [row.sample(torch.Generator().manual_seed(s)) for s in (1, 2, 3, 1)]
+        draws = [row.sample(s) for s in (1, 2, 3, 1)]
         assert draws[0] == draws[3]
         assert all(0 <= d < member.vocab_size for d in draws)
     finally:
@@ -230,7 +230,7 @@ def test_actors_hold_no_request_state_after_finish_or_abandon(remote):
     next(stream)
     assert not no_open_requests(remote.members)  # the request holds caches while it is open
     stream.close()
-    assert no_open_requests(remote.members)
+    assert no_open_requests(remote.members, wait_s=5)  # at once, or when the round in flight ends
 
     stream = remote.stream(PROMPT, max_new_tokens=60)
     next(stream)

@@ -1,0 +1,211 @@
+"""Latency and throughput of `safe-engine serve` under 1 / 4 / 16 concurrent streaming clients, side by side
+with the same requests sent to the in-process engine from as many threads.
+
+For each concurrency level c, c clients each send one streaming chat request (distinct questions, greedy,
+at most --tokens tokens) at the same moment. Reported per level and path: time to the first content delta
+(median and max over the c requests), total time per request (median, max), the wall time of the level,
+and throughput (tokens of all c requests / wall time). The server runs in its own process (as users run
+it), the clients are one asyncio loop of httpx; the in-process path runs after the server has stopped, so
+the two never compete for the CPU. Each path gets one warm-up request first. Whether every server reply
+equals the in-process reply to the same request is checked too (greedy decoding is deterministic).
+
+python benchmarks/server_load.py                               # demo models, 48 tokens, 1/4/16 clients
+python benchmarks/server_load.py --tokens 24 --concurrency 1 4 --out benchmarks/results/server_load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+MODELS = ["qwen2.5-coder-0.5b", "smollm2-135m"]
+TOPICS = [
+    "rainbows", "volcanoes", "honey bees", "the moon", "tides", "snowflakes", "thunder", "coral reefs",
+    "photosynthesis", "magnets", "earthquakes", "comets", "deserts", "penguins", "glaciers", "lightning",
+]  # fmt: skip
+KEY = "bench-key"
+
+
+def question(i: int) -> list[dict]:
+    return [{"role": "user", "content": f"Explain {TOPICS[i % len(TOPICS)]} to a child in three sentences."}]
+
+
+def summary(runs: list[dict], wall: float) -> dict:
+    ttft = [r["first_token_s"] for r in runs]
+    total = [r["total_s"] for r in runs]
+    tokens = sum(r["tokens"] for r in runs)
+    return {
+        "requests": len(runs),
+        "tokens": tokens,
+        "first_token_s": {"median": round(statistics.median(ttft), 3), "max": round(max(ttft), 3)},
+        "total_s": {"median": round(statistics.median(total), 3), "max": round(max(total), 3)},
+        "wall_s": round(wall, 3),
+        "throughput_tok_s": round(tokens / wall, 3),
+    }
+
+
+# -- through the server ----------------------------------------------------------------------------------------
+def start_server(models: list[str], max_batch_size: int, tokens: int, threads: int) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "safe_engine.server", "--port", "0", "--api-key", KEY]
+    cmd += ["--max-batch-size", str(max_batch_size), "--max-new-tokens", str(tokens)]
+    for m in models:
+        cmd += ["-m", m]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("Serving "):
+            return proc, line.split(" at ", 1)[1].split()[0]
+    raise SystemExit(f"the server exited before it was ready (status {proc.wait()})")
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, tokens: int) -> dict:
+    body = {"model": model, "messages": question(i), "max_tokens": tokens, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    started = time.perf_counter()
+    first, text, used = None, "", 0
+    async with client.stream("POST", f"{url}/chat/completions", json=body) as res:
+        res.raise_for_status()
+        async for line in res.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            if chunk["choices"]:
+                delta = chunk["choices"][0]["delta"].get("content") or ""
+                if delta and first is None:
+                    first = time.perf_counter() - started
+                text += delta
+            elif chunk.get("usage"):
+                used = chunk["usage"]["completion_tokens"]
+    total = time.perf_counter() - started
+    return {"first_token_s": first if first is not None else total, "total_s": total, "tokens": used, "text": text}
+
+
+async def server_level(url: str, model: str, c: int, tokens: int) -> tuple[dict, list[str]]:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(headers=headers, timeout=3600, limits=httpx.Limits(max_connections=64)) as client:
+        started = time.perf_counter()
+        runs = await asyncio.gather(*(one_stream(client, url, model, i, tokens) for i in range(c)))
+        wall = time.perf_counter() - started
+    return summary(runs, wall), [r["text"] for r in runs]
+
+
+def run_server(args: argparse.Namespace) -> tuple[dict, dict[int, list[str]]]:
+    proc, url = start_server(args.models, args.max_batch_size, args.tokens, args.threads)
+    try:
+        model = httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()["data"][0][
+            "id"
+        ]
+        asyncio.run(server_level(url, model, 1, 4))  # warm-up
+        results, texts = {}, {}
+        for c in args.concurrency:
+            results[str(c)], texts[c] = asyncio.run(server_level(url, model, c, args.tokens))
+            print(f"server, {c} clients: {json.dumps(results[str(c)])}", file=sys.stderr)
+        return results, texts
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=120)
+
+
+# -- in process ------------------------------------------------------------------------------------------------
+def inprocess_level(ens, c: int, tokens: int) -> tuple[dict, list[str]]:
+    runs: list[dict | None] = [None] * c
+    barrier = threading.Barrier(c)
+
+    def work(i: int) -> None:
+        barrier.wait()
+        started = time.perf_counter()
+        first = None
+        stream = ens.stream(messages=question(i), max_new_tokens=tokens)
+        for delta in stream:
+            if delta and first is None:
+                first = time.perf_counter() - started
+        total = time.perf_counter() - started
+        runs[i] = {
+            "first_token_s": first if first is not None else total,
+            "total_s": total,
+            "tokens": stream.result.stats.tokens,
+            "text": stream.result.text,
+        }
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(c)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    done = [r for r in runs if r is not None]
+    return summary(done, wall), [r["text"] for r in done]
+
+
+def run_inprocess(args: argparse.Namespace) -> tuple[dict, dict[int, list[str]]]:
+    import torch
+
+    from safe_engine import Ensemble
+
+    torch.set_num_threads(args.threads)
+    ens = Ensemble.from_pretrained(args.models, max_batch_size=args.max_batch_size)
+    ens.generate(messages=question(0), max_new_tokens=4)  # warm-up
+    results, texts = {}, {}
+    for c in args.concurrency:
+        results[str(c)], texts[c] = inprocess_level(ens, c, args.tokens)
+        print(f"in-process, {c} clients: {json.dumps(results[str(c)])}", file=sys.stderr)
+    return results, texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=MODELS)
+    p.add_argument("--tokens", type=int, default=48, help="max tokens per request (default 48)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-batch-size", type=int, default=16, help="the server's and the engine's (default 16)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args(argv)
+
+    started = time.perf_counter()
+    server, server_texts = run_server(args)
+    inprocess, inprocess_texts = run_inprocess(args)
+    report = {
+        "models": args.models,
+        "tokens_per_request": args.tokens,
+        "max_batch_size": args.max_batch_size,
+        "torch_threads": args.threads,
+        "cpu_count": os.cpu_count(),
+        "server": server,
+        "in_process": inprocess,
+        "server_over_in_process": {
+            str(c): {
+                "first_token": round(
+                    server[str(c)]["first_token_s"]["median"] / inprocess[str(c)]["first_token_s"]["median"], 3
+                ),
+                "throughput": round(server[str(c)]["throughput_tok_s"] / inprocess[str(c)]["throughput_tok_s"], 3),
+            }
+            for c in args.concurrency
+        },
+        "same_text_as_in_process": {str(c): server_texts[c] == inprocess_texts[c] for c in args.concurrency},
+        "run_s": round(time.perf_counter() - started, 1),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The generation knobs, declared once: `GenerationConfig`'s fields, for the adapters' fields and the CLI.
+
+Why: each knob used to be spelled out five times with its default typed again (LangChain fields and
+per-call options, LlamaIndex fields, CLI flags and their mapping) and they drifted apart. Here each one
+is read from the dataclass: name, type, default and the one-line "doc" in its field metadata. A new
+`GenerationConfig` field appears in every adapter and on the CLI without another line.
+
+An adapter adapts a knob where its framework has a convention (`adapted`): LangChain calls
+`max_new_tokens` `max_tokens` and `timeout_s` `timeout`, and means greedy by `temperature=None`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import config
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One generation option as an interface shows it."""
+
+    name: str
+    type: Any  # the resolved annotation: int, str | None, tuple[str, ...], ...
+    default: Any
+    doc: str
+    alias: str | None = None  # another name the option is accepted by (a framework's convention)
+    cli: Mapping[str, Any] = field(default_factory=dict)  # argparse hints: metavar, help, list="comma"
+
+    @property
+    def optional(self) -> bool:
+        """Whether None is a value of this knob."""
+        return type(None) in typing.get_args(self.type)
+
+    @property
+    def base(self) -> Any:
+        """The type without None: int, float, str, bool or tuple."""
+        kind = self.type
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            (kind,) = [a for a in typing.get_args(kind) if a is not type(None)]
+        return typing.get_origin(kind) or kind
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def knobs_of(config_class: type) -> tuple[Knob, ...]:
+    """The knobs of a GenerationConfig-like dataclass, in field order."""
+    hints = typing.get_type_hints(config_class)
+    return tuple(
+        Knob(
+            name=f.name,
+            type=hints[f.name],
+            default=f.default,
+            doc=f.metadata.get("doc", f.name.replace("_", " ")),
+            cli=f.metadata.get("cli", {}),
+        )
+        for f in dataclasses.fields(config_class)
+    )
+
+
+KNOBS: tuple[Knob, ...] = knobs_of(config.GenerationConfig)
+KNOB_NAMES: tuple[str, ...] = tuple(k.name for k in KNOBS)
+
+
+def adapted(changes: Mapping[str, Mapping[str, Any]]) -> tuple[Knob, ...]:
+    """The knobs with an adapter's changes to some of them (type, default, doc or alias)."""
+    unknown = sorted(set(changes) - set(KNOB_NAMES))
+    if unknown:
+        raise KeyError(f"no GenerationConfig field(s) {unknown}")
+    return tuple(dataclasses.replace(k, **changes.get(k.name, {})) for k in KNOBS)
+
+
+def aliases(knobs: tuple[Knob, ...]) -> dict[str, str]:
+    """alias -> knob name."""
+    return {k.alias: k.name for k in knobs if k.alias}
+
+
+# -- the CLI ---------------------------------------------------------------------------------------------
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per knob (`--draft-length`, ...); see `cli_options` for the values they give.
+
+    A bool knob is a switch, unless it has a metavar (`--trace FILE`: the knob is on when the flag is
+    given; the command reads the value). A tuple knob is a repeatable flag (`--stop a --stop b`), or a
+    comma list with cli list="comma" (`--gates boundary,consensus`; "none" = the empty list). For a knob
+    that may be None, the value "none" means None (`--sharpening none`).
+    """
+    for knob in KNOBS:
+        hints = dict(knob.cli)
+        style = hints.pop("list", None)
+        kwargs: dict[str, Any] = {"help": hints.pop("help", knob.doc), **hints}
+        if knob.base is bool:
+            if "metavar" not in kwargs:  # --x, or --x / --no-x for a knob that is on by default
+                kwargs["action"] = argparse.BooleanOptionalAction if knob.default else "store_true"
+                kwargs["default"] = knob.default
+        elif knob.base is tuple:
+            if style != "comma":
+                kwargs["action"] = "append"
+                kwargs["help"] += " (repeatable)"
+        else:
+            kwargs["type"] = _scalar(knob)
+            kwargs["default"] = knob.default
+            if knob.default is not None:
+                kwargs["help"] += f" (default: {knob.default})"
+        parser.add_argument(knob.flag, **kwargs)
+
+
+def cli_options(args: argparse.Namespace) -> dict[str, Any]:
+    """GenerationConfig keywords from the flags `add_cli_arguments` added."""
+    options = {}
+    for knob in KNOBS:
+        value = getattr(args, knob.name)
+        if knob.base is bool and "metavar" in knob.cli:
+            value = value is not None
+        elif knob.base is tuple:
+            if value is None:
+                value = knob.default
+            elif knob.cli.get("list") == "comma":
+                value = tuple(p for p in value.split(",") if p and p.lower() != "none")
+            else:
+                value = tuple(value)
+        options[knob.name] = value
+    return options
+
+
+def _scalar(knob: Knob) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        if knob.optional and text.lower() == "none":
+            return None
+        return knob.base(text)
+
+    parse.__name__ = knob.base.__name__  # argparse names it in "invalid int value: 'x'"
+    return parse

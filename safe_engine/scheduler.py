@@ -1,0 +1,132 @@
+"""Continuous batching: one worker thread runs the rounds of every live request together.
+
+Requests come from any thread (`generate`, `stream`) or asyncio task (`agenerate`, `astream`). Each one
+joins at the next round and leaves when it finishes, fails or is cancelled; a round batches its phases over
+all live requests (`decoding.run_round`), so eight requests cost about as many forward passes as one, each
+a little wider. The worker exists only while there is work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+from .decoding import Generation, run_round
+from .errors import ConfigError, InputError
+from .stats import GenerationResult
+
+
+@dataclass(frozen=True)
+class Event:
+    """What the worker tells a request's reader: new verified text, the result, or the error."""
+
+    delta: str = ""
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+
+class Ticket:
+    """One submitted request: its Generation and the events published for it after every round."""
+
+    def __init__(self, generation: Generation, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.generation = generation
+        self._emitted = 0
+        self._loop = loop
+        self._events: queue.SimpleQueue[Event] | asyncio.Queue[Event] = (
+            asyncio.Queue() if loop is not None else queue.SimpleQueue()
+        )
+        self.done = False
+
+    def publish(self) -> bool:
+        """Hand the reader what this round produced; True once the request is over."""
+        gen = self.generation
+        if gen.error is None and not gen.finished and gen.cancelled:
+            gen.fail(InputError("this generation was cancelled; start a new one"))
+        visible = gen.visible_text()
+        delta, self._emitted = visible[self._emitted :], len(visible)
+        self.done = gen.error is not None or gen.finished  # before the reader can hear of it
+        if gen.error is not None:
+            self._put(Event(error=gen.error))
+        elif gen.finished:
+            self._put(Event(delta, gen.result()))
+        elif delta:
+            self._put(Event(delta))
+        return self.done
+
+    def _put(self, event: Event) -> None:
+        if self._loop is None:
+            self._events.put(event)
+            return
+        with contextlib.suppress(RuntimeError):  # the reader's event loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    def get(self) -> Event:
+        return self._events.get()
+
+    async def aget(self) -> Event:
+        return await self._events.get()
+
+    def cancel(self) -> None:
+        self.generation.cancel()
+
+
+class Scheduler:
+    """Admits up to `max_batch_size` live requests and steps them round by round in one worker thread."""
+
+    def __init__(self, max_batch_size: int) -> None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        self.max_batch_size = max_batch_size
+        self._cond = threading.Condition()
+        self._waiting: deque[Ticket] = deque()
+        self._live: list[Ticket] = []
+        self._worker: threading.Thread | None = None
+
+    def submit(self, generation: Generation, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
+        ticket = Ticket(generation, loop)
+        with self._cond:
+            self._waiting.append(ticket)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="safe-scheduler", daemon=True)
+                self._worker.start()
+        return ticket
+
+    @property
+    def open_requests(self) -> int:
+        """Requests submitted and not over yet (each holds its KV caches)."""
+        with self._cond:
+            return sum(not t.done for t in (*self._waiting, *self._live))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting and len(self._live) < self.max_batch_size:
+                    self._live.append(self._waiting.popleft())
+                if not self._live:
+                    self._worker = None
+                    return
+                live = list(self._live)
+            ready = [t for t in live if not t.generation.cancelled]
+            try:
+                if ready:
+                    run_round([t.generation for t in ready])
+            except BaseException as err:  # not a request's own failure (those stay in generation.error)
+                for t in live:
+                    t.generation.fail(err)
+            over = [t for t in live if t.publish()]
+            with self._cond:
+                self._live = [t for t in self._live if t not in over]
+
+
+def collect(ticket: Ticket) -> GenerationResult:
+    """Block until the request is over; its result, or its error raised here."""
+    while True:
+        event = ticket.get()
+        if event.error is not None:
+            raise event.error
+        if event.result is not None:
+            return event.result

@@ -1,0 +1,137 @@
+"""`safe-engine serve`: load the members, serve them as one OpenAI-compatible model.
+
+Nothing here imports FastAPI or uvicorn until the command runs, so `safe-engine` works without the
+`[server]` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from ..errors import ConfigError, SafeEngineError
+
+
+def add_parser(sub: Any) -> None:
+    """Register `serve` on the CLI's subparsers."""
+    from ..cli import _add_generation_args, _add_model_args
+
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health",
+        description="Serve the ensemble as one OpenAI-compatible model. Generation flags set the defaults "
+        "a request does not override.",
+    )
+    _add_model_args(p)
+    _add_generation_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SAFE_ENGINE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $SAFE_ENGINE_API_KEY; none: open)",
+    )
+    p.add_argument("--served-model-name", help="the model name clients use (default: the member names joined by +)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded at once (default 8)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (default 4 MiB)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running streams may finish after SIGINT/SIGTERM before they are ended (default 30)",
+    )
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level (info shows every request)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..cli import _options
+    from ..config import GenerationConfig
+
+    if getattr(args, "trace", None) is not None:
+        raise ConfigError('--trace is per request when serving: send "trace": true in the request body')
+    if args.max_batch_size < 1:
+        raise ConfigError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    defaults = GenerationConfig(**{**_options(args), "trace": False})  # validate before the (slow) load
+    try:
+        from .app import create_app
+        from .runner import make_server
+    except ImportError as err:
+        raise SafeEngineError(
+            f"serving needs FastAPI and uvicorn ({err}); install them with: pip install 'langchain-safe[server]'"
+        ) from None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        warning = f"[warning: serving on {args.host} without --api-key: anyone who can reach it can use it]"
+        print(warning, file=sys.stderr)
+
+    started = time.perf_counter()
+    server = None
+    url = ""
+
+    def ready(state: Any) -> None:
+        ens = state.ensemble
+        print(
+            f"[loaded {', '.join(ens.names)} in {time.perf_counter() - started:.1f} s; "
+            f"drafter {ens.names[ens.drafter_index]}]",
+            file=sys.stderr,
+        )
+        print(f"Serving {state.name!r} at {url}/v1 (Ctrl-C to stop)", flush=True)
+
+    def failed(err: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(
+        lambda: _load(args),
+        model_name=args.served_model_name,
+        api_key=args.api_key,
+        defaults=defaults,
+        max_batch_size=args.max_batch_size,
+        max_body_bytes=args.max_body_bytes,
+        on_ready=ready,
+        on_load_error=failed,
+    )
+    server, sock, url = make_server(app, args.host, args.port, args.shutdown_timeout, args.log_level)
+    print(f"[loading {', '.join(args.models)}; {url}/health answers 503 until then]", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal that stopped it once it has shut down; a no-op handler makes that a
+    # clean exit (status 0) instead of a KeyboardInterrupt or a kill.
+    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+    state = app.state.safe
+    if state.load_error is not None:
+        err = state.load_error
+        raise err if isinstance(err, SafeEngineError) else SafeEngineError(f"loading failed: {err}")
+    print("[server stopped]", file=sys.stderr)
+    return 0
+
+
+def _ignore(sig: int, frame: Any) -> None:
+    pass
+
+
+def _load(args: argparse.Namespace) -> Any:
+    """The ensemble, with the batch size the engine supports (the batching scheduler takes one)."""
+    from transformers.utils import logging as hf_logging
+
+    from ..ensemble import Ensemble
+
+    hf_logging.disable_progress_bar()
+    kwargs: dict[str, Any] = {
+        "drafter": args.drafter,
+        "weights": args.weights,
+        "device_map": args.device,
+        "dtype": args.dtype,
+    }
+    if "max_batch_size" in inspect.signature(Ensemble.from_pretrained).parameters:
+        kwargs["max_batch_size"] = args.max_batch_size
+    return Ensemble.from_pretrained(args.models, **kwargs)

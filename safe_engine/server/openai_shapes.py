@@ -1,0 +1,125 @@
+"""OpenAI response and stream-chunk bodies built from the engine's results (plain dicts, JSON-ready)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from ..stats import GenerationResult
+from .tool_calls import Reply
+
+# The engine's finish reasons in OpenAI's words: an EOS or a stop string both "stop".
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event; ASCII-escaped JSON, so any text is safe on the wire."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+def usage(result: GenerationResult, drafter: str) -> dict[str, int]:
+    """Token counts in the drafter's tokenization (the text the client sees is the drafter's)."""
+    prompt = int(result.stats.prompt_tokens.get(drafter, 0))
+    completion = int(result.stats.tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def safe_stats(result: GenerationResult, invalid_tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The ensemble's statistics for a response's `safe` object: tokens, ensembled tokens, E/T, rounds,
+    forward passes per member, and the engine's own finish reason ("eos" | "stop" | "length")."""
+    out = {**result.stats.to_dict(), "finish_reason": result.finish_reason}
+    out["gates"] = list(out.get("gates") or ())
+    if result.trace is not None:
+        out["trace"] = [point.to_dict() for point in result.trace]
+    if invalid_tool_calls:
+        out["invalid_tool_calls"] = invalid_tool_calls
+    return out
+
+
+def finish_reason(result: GenerationResult, reply: Reply | None = None) -> str:
+    if reply is not None and reply.tool_calls:
+        return "tool_calls"
+    return FINISH_REASONS.get(result.finish_reason, "stop")
+
+
+def chat_completion(
+    request_id: str, model: str, created: int, result: GenerationResult, reply: Reply, drafter: str
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
+    if reply.tool_calls:
+        message["tool_calls"] = reply.tool_calls
+        message["content"] = reply.content or None
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result, reply), "logprobs": None}],
+        "usage": usage(result, drafter),
+        "safe": safe_stats(result, reply.invalid_tool_calls),
+    }
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, Any] | None = None,
+    finish: str | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A chat.completion.chunk; `delta=None` with `extra` usage makes the usage-only chunk (no choices)."""
+    chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    chunk["choices"] = (
+        [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    )
+    chunk.update(extra)
+    return chunk
+
+
+def text_completion(request_id: str, model: str, created: int, result: GenerationResult, drafter: str) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": result.text, "finish_reason": finish_reason(result), "logprobs": None}],
+        "usage": usage(result, drafter),
+        "safe": safe_stats(result),
+    }
+
+
+def completion_chunk(
+    request_id: str, model: str, created: int, text: str | None, finish: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A streamed text_completion; `text=None` makes the usage-only chunk (no choices)."""
+    chunk: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+    chunk["choices"] = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+    chunk.update(extra)
+    return chunk
+
+
+def model_card(name: str, created: int, members: list[str], drafter: str, context_window: int | None) -> dict:
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "safe-engine",
+        "max_model_len": context_window,
+        "safe": {"members": members, "drafter": drafter, "context_window": context_window},
+    }
+
+
+def now() -> int:
+    return int(time.time())

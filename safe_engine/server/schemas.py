@@ -1,0 +1,285 @@
+"""OpenAI request bodies, validated strictly: a field the server cannot honour is a 400 that names it.
+
+Why strict: an OpenAI client that sends `n=3` or `logprobs=true` to a server that silently ignores them
+gets an answer to a question it did not ask. So every field of OpenAI's chat and completions APIs is
+either mapped onto the engine, accepted because it cannot change the output (`user`, `metadata`, ...), or
+accepted only at its neutral value (`n=1`, `logprobs=false`, `presence_penalty=0`, ...). Unknown fields
+are refused too, except the SAFE knobs (`method`, `aggregation`, ...), which clients send as extra body
+fields (`extra_body=` in the openai SDK, LangChain and LlamaIndex).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# GenerationConfig fields a request may set by their own name; the others have OpenAI names
+# (max_tokens, stop, temperature, top_p, seed).
+SAFE_KNOBS = (
+    "method",
+    "aggregation",
+    "draft_length",
+    "top_k",
+    "sharpening",
+    "sharpen_threshold",
+    "gates",
+    "do_sample",
+    "trace",
+    "timeout_s",
+)
+
+# Fields that only label or route a request, with no effect on what is generated: accepted, not used.
+BOOKKEEPING = ("user", "metadata", "safety_identifier", "prompt_cache_key")
+
+# OpenAI fields the engine does not implement, with the values that mean "not used" (accepted) and why
+# anything else is refused.
+_TEXT_FORMAT = {"type": "text"}
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((None, 1), "one choice per request; send n separate requests (with different seeds when sampling)"),
+    "best_of": ((None, 1), "one choice per request"),
+    "logprobs": ((None, False), "the ensemble has no single distribution per token to report"),
+    "top_logprobs": ((None, 0), "the ensemble has no single distribution per token to report"),
+    "presence_penalty": ((None, 0), "penalties are not implemented; leave it at 0"),
+    "frequency_penalty": ((None, 0), "penalties are not implemented; leave it at 0"),
+    "repetition_penalty": ((None, 1), "penalties are not implemented; leave it at 1"),
+    "logit_bias": ((None, {}), "logit biases are not implemented"),
+    "response_format": (
+        (None, _TEXT_FORMAT),
+        "json_object / json_schema need constrained decoding, which this server does not have yet; "
+        "use tools with tool_choice, or ask for JSON in the prompt",
+    ),
+    "functions": ((None,), "the deprecated functions API is not supported; use tools"),
+    "function_call": ((None,), "the deprecated functions API is not supported; use tool_choice"),
+    "audio": ((None,), "the members are text-only"),
+    "modalities": ((None, ["text"]), "the members are text-only"),
+    "prediction": ((None,), "predicted outputs are not implemented"),
+    "web_search_options": ((None,), "web search is not available"),
+    "reasoning_effort": ((None,), "the members have no reasoning-effort setting"),
+    "verbosity": ((None,), "the members have no verbosity setting"),
+    "moderation": ((None,), "moderation is not available"),
+    "store": ((None, False), "completions are not stored"),
+    "service_tier": ((None, "auto", "default"), "there is one service tier"),
+    "prompt_cache_options": ((None,), "prompt caching options are not implemented"),
+    "prompt_cache_retention": ((None,), "prompt caching options are not implemented"),
+    "echo": ((None, False), "echo is not implemented; prepend the prompt yourself"),
+    "suffix": ((None, ""), "insertion (suffix) is not implemented"),
+}
+
+
+class _Model(BaseModel):
+    """Strict types (no "10" for 10), unknown nested fields refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# -- messages ----------------------------------------------------------------------------------------------
+class FunctionCall(_Model):
+    name: str
+    arguments: str = ""  # a JSON string, as OpenAI sends it
+
+
+class ToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(BaseModel):
+    """A content part; only text parts are usable (the members are text-only LMs)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class Message(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+
+# -- tools -------------------------------------------------------------------------------------------------
+class FunctionDef(_Model):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # padding against length side channels: nothing to pad here
+
+
+# -- requests ----------------------------------------------------------------------------------------------
+class _Request(BaseModel):
+    """Fields common to both endpoints. Extra fields are collected (`model_extra`) and checked against
+    SAFE_KNOBS by `check_extra_fields`, so a typo is a 400, not a silently ignored knob."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # bookkeeping: accepted, unused
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # unsupported unless neutral (see UNSUPPORTED)
+    n: Any = None
+    best_of: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    service_tier: Any = None
+    store: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 16:
+            raise ValueError(f"at most 16 stop strings, got {len(value)}")
+        return value
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    moderation: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str]
+    echo: Any = None
+    suffix: Any = None
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+class RequestError(Exception):
+    """A request the server refuses: becomes {"error": {message, type, param, code}} with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+
+
+def parse_request(cls: type[_Request], body: dict[str, Any]) -> _Request:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    try:
+        request = cls.model_validate(body)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        param = _param(first.get("loc", ()))
+        kind = first.get("type", "")
+        if kind == "missing":
+            code, message = "missing_required_parameter", f"missing required field {param!r}"
+        elif kind == "extra_forbidden":
+            code, message = "unknown_parameter", f"unknown field {param!r}"
+        else:
+            code = "invalid_type" if kind.endswith(("_type", "_parsing")) or "type" in kind else "invalid_value"
+            message = f"invalid {param!r}: {first.get('msg')}"
+        raise RequestError(400, message, param=param, code=code) from None
+    check_extra_fields(request)
+    check_unsupported(request)
+    return request
+
+
+def check_extra_fields(request: _Request) -> None:
+    unknown = sorted(set(request.model_extra or {}) - set(SAFE_KNOBS))
+    if unknown:
+        raise RequestError(
+            400,
+            f"unknown field {unknown[0]!r}; this server accepts OpenAI's fields and the SAFE knobs {list(SAFE_KNOBS)}",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
+
+
+def check_unsupported(request: _Request) -> None:
+    for name, (neutral, why) in UNSUPPORTED.items():
+        if name not in type(request).model_fields:
+            continue
+        value = getattr(request, name)
+        if not any(_same(value, ok) for ok in neutral):
+            raise RequestError(
+                400,
+                f"{name}={value!r:.80} is not supported by this server: {why}",
+                param=name,
+                code="unsupported_parameter",
+            )
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """value is the neutral value: numbers by value (0 == 0.0), never a bool for a number or None for 0."""
+    if neutral is None or isinstance(neutral, bool) or isinstance(value, bool | None):
+        return value is neutral
+    if isinstance(neutral, int | float):
+        return isinstance(value, int | float) and value == neutral
+    return value == neutral
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """pydantic's ("messages", 0, "role") as OpenAI writes it: messages[0].role."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[ContentPart]", "NamedToolChoice", "list[str]"):
+            continue  # the union member pydantic tried: not part of the field's path
+        elif part.startswith(("literal[", "function-")):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"

@@ -1,0 +1,195 @@
+"""The server's life around the requests: auth off, loading, clients that leave, shutdown, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from safe_engine import GenerationConfig
+from safe_engine.server import BackgroundServer, create_app
+
+from .conftest import KEY, MODEL, live_caches, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+AUTH = {"Authorization": f"Bearer {KEY}"}
+USER = [{"role": "user", "content": "Tell me a long story."}]
+LONG = 3000  # tokens: far more than a test waits for
+
+
+def keep_streams(monkeypatch, ens) -> list:
+    """Record the engine streams the server opens (to check afterwards that they were cancelled)."""
+    opened = []
+    original = ens.stream
+
+    def stream(*args, **kwargs):
+        s = original(*args, **kwargs)
+        opened.append(s)
+        return s
+
+    monkeypatch.setattr(ens, "stream", stream)
+    return opened
+
+
+def test_no_key_is_needed_when_none_is_configured(served):
+    app = create_app(served.ens, defaults=GenerationConfig(max_new_tokens=5))
+    with BackgroundServer(app) as srv:
+        res = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": USER}, timeout=60)
+        assert res.status_code == 200
+        assert res.json()["model"] == "+".join(served.ens.names)  # the default served name
+        assert (
+            res.json()["choices"][0]["message"]["content"] == served.ens.generate(messages=USER, max_new_tokens=5).text
+        )
+
+
+def test_503_while_loading_then_ready(served):
+    release = threading.Event()
+
+    def loader():
+        release.wait(30)
+        return served.ens
+
+    app = create_app(loader, model_name=MODEL, defaults=GenerationConfig(max_new_tokens=4))
+    with BackgroundServer(app) as srv:
+        health = httpx.get(f"{srv.url}/health", timeout=10)
+        assert health.status_code == 503 and health.json() == {"status": "loading"}
+        for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions")]:
+            res = httpx.request(method, f"{srv.url}{path}", json={"messages": USER}, timeout=10)
+            assert res.status_code == 503 and res.json()["error"]["code"] == "model_loading"
+        release.set()
+        wait_for(lambda: httpx.get(f"{srv.url}/health", timeout=10).status_code == 200, what="the load")
+        res = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": USER}, timeout=60)
+        assert res.status_code == 200
+
+
+def test_a_failed_load_is_a_503_that_says_why():
+    def loader():
+        raise OSError("no such model: /models/missing")
+
+    with BackgroundServer(create_app(loader)) as srv:
+        wait_for(lambda: httpx.get(f"{srv.url}/health", timeout=10).json()["status"] == "failed", what="the failure")
+        res = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": USER}, timeout=10)
+        assert res.status_code == 503 and "/models/missing" in res.json()["error"]["message"]
+
+
+def test_a_client_leaving_a_stream_cancels_its_generation(served, monkeypatch):
+    opened = keep_streams(monkeypatch, served.ens)
+    body = {"model": MODEL, "messages": USER, "max_tokens": LONG, "stream": True}
+    with httpx.stream("POST", f"{served.v1}/chat/completions", json=body, headers=AUTH, timeout=60) as res:
+        assert res.status_code == 200
+        got = 0
+        for line in res.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+                if got == 4:
+                    break
+    # the connection is closed: the generation must stop long before its 3000 tokens
+    served.wait_idle(timeout=20)
+    (stream,) = opened
+    assert stream.result is None  # cancelled, never finished
+    assert served.ens.open_requests == 0 and live_caches() == 0
+
+
+def test_a_client_leaving_a_plain_request_cancels_it(served, monkeypatch):
+    opened = keep_streams(monkeypatch, served.ens)
+    body = {"model": MODEL, "messages": USER, "max_tokens": LONG}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{served.v1}/chat/completions", json=body, headers=AUTH, timeout=1.0)
+    served.wait_idle(timeout=20)
+    (stream,) = opened
+    assert stream.result is None
+    assert served.ens.open_requests == 0 and live_caches() == 0
+
+
+def test_shutdown_ends_running_streams_cleanly(served):
+    app = create_app(served.ens, model_name=MODEL)
+    srv = BackgroundServer(app, shutdown_grace_s=0.5).start()
+    client = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=LONG, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    stopper = threading.Thread(target=srv.stop)
+    stopper.start()
+    from openai import APIError
+
+    with pytest.raises(APIError, match="shutting down"):  # the SDK raises the stream's error event
+        for _ in stream:
+            pass
+    stopper.join(30)
+    assert not stopper.is_alive()
+    wait_for(lambda: served.ens.open_requests == 0, what="the cancelled request to end")
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+def start_cli(model_dirs: list[str], *extra: str) -> tuple[subprocess.Popen, str]:
+    """`python -m safe_engine.server ...` on a free port; returns the process and its base URL."""
+    args = [sys.executable, "-m", "safe_engine.server", "--port", "0", "--max-new-tokens", "6"]
+    for d in model_dirs:
+        args += ["-m", d]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        args + list(extra), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("Serving "):
+            url = line.split(" at ", 1)[1].split()[0]
+            return proc, url.removesuffix("/v1")
+    proc.kill()
+    raise AssertionError(f"the server did not print its URL: {proc.stderr.read()[-2000:]}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_cli_serves_then_shuts_down_gracefully_on_a_signal(model_dirs, sig):
+    proc, url = start_cli(model_dirs, "--api-key", KEY, "--served-model-name", MODEL, "--shutdown-timeout", "1")
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        res = httpx.post(
+            f"{url}/v1/chat/completions", json={"model": MODEL, "messages": USER}, headers=AUTH, timeout=60
+        )
+        assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] <= 6
+        assert httpx.post(f"{url}/v1/chat/completions", json={"messages": USER}, timeout=10).status_code == 401
+        body = {"model": MODEL, "messages": USER, "max_tokens": LONG, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as stream:
+            for line in stream.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:
+                    proc.send_signal(sig)
+        assert events[-1] == "[DONE]"  # the stream ended cleanly, not cut off
+        last = json.loads(events[-2])
+        assert "error" in last and last["error"]["code"] == "server_shutdown"
+        assert proc.wait(timeout=30) == 0
+        assert "[server stopped]" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_engine_and_the_cli_work_without_fastapi():
+    code = (
+        "import sys; sys.modules['fastapi'] = None; sys.modules['uvicorn'] = None\n"
+        "import safe_engine, safe_engine.server\n"
+        "from safe_engine.cli import build_parser, main\n"
+        "args = build_parser().parse_args(['serve', '-m', 'a', '-m', 'b', '--port', '0'])\n"
+        "assert args.port == 0 and args.host == '127.0.0.1' and args.max_batch_size == 8\n"
+        "sys.exit(main(['serve', '-m', 'a', '-m', 'b']))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "pip install 'langchain-safe[server]'" in res.stderr

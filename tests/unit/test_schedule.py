@@ -1,0 +1,121 @@
+"""The single-request schedules: overlap (verifiers behind the drafter, concurrently) and rounds with
+replacement-aware drafting give the same greedy text as plain rounds; each lever can be switched off;
+cancelling mid-overlap frees everything; streams only ever show verified text."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from safe_engine import ConfigError, Ensemble, SafeEngineError
+from tests.conftest import tiny_member
+from tests.reliability.conftest import live_caches, wait_until
+
+PROMPT = "The quick brown fox"
+SCHEDULES = [
+    {"schedule": "rounds", "adaptive_draft": False},
+    {"schedule": "rounds", "adaptive_draft": True},
+    {"schedule": "overlap", "adaptive_draft": False},
+    {"schedule": "overlap", "adaptive_draft": True},
+]
+
+
+def test_two_copies_give_the_models_own_text_in_every_schedule():
+    ens = Ensemble([tiny_member("llama2", 7), tiny_member("llama2", 7)])
+    texts = set()
+    for options in SCHEDULES:
+        res = ens.generate(PROMPT, max_new_tokens=40, **options)
+        texts.add(res.text)
+        assert res.stats.ensembled_tokens == 0 and res.stats.discarded_draft_tokens == 0
+        assert res.stats.forward_passes[ens.names[0]] == 40
+    assert len(texts) == 1
+
+
+@pytest.mark.parametrize("aggregation", ["unite", "gac"])
+def test_every_schedule_gives_the_same_greedy_text_across_tokenizer_families(members3, aggregation):
+    ens = Ensemble(members3)
+    results = [ens.generate(PROMPT, max_new_tokens=80, aggregation=aggregation, **o) for o in SCHEDULES]
+    base = results[0]
+    for res in results[1:]:
+        assert res.text == base.text
+        assert res.stats.ensembled_tokens == base.stats.ensembled_tokens
+    fixed, adaptive, overlap = results[0].stats, results[1].stats, results[2].stats
+    assert adaptive.discarded_draft_tokens < fixed.discarded_draft_tokens  # drafts end where replacements are likely
+    assert overlap.discarded_draft_tokens <= overlap.replaced_tokens  # at most the one token drafted meanwhile
+    assert overlap.rounds == overlap.tokens + 1 or overlap.rounds > overlap.tokens  # one drafted token a round
+
+
+def test_the_levers_can_be_switched_off_and_bad_values_are_refused(members3):
+    ens = Ensemble(members3)
+    fixed = ens.generate(PROMPT, max_new_tokens=40, schedule="rounds", adaptive_draft=False).stats
+    adaptive = ens.generate(PROMPT, max_new_tokens=40, schedule="rounds", adaptive_draft=True).stats
+    assert fixed.forward_passes[ens.names[0]] >= 5 * (fixed.rounds - 1)  # every round drafts 5 new tokens
+    assert adaptive.forward_passes[ens.names[0]] < 5 * (adaptive.rounds - 1)  # shorter drafts where unsure
+    with pytest.raises(ConfigError, match="schedule"):
+        ens.generate(PROMPT, schedule="pipelined")
+    with pytest.raises(ConfigError, match="adaptive_draft"):
+        ens.generate(PROMPT, adaptive_draft="yes")
+
+
+def test_auto_overlaps_a_lone_request_only_with_a_spare_core(members3, monkeypatch):
+    import torch
+
+    ens = Ensemble(members3)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert ens._start(PROMPT, None, None, None, {}).can_overlap
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert not ens._start(PROMPT, None, None, None, {}).can_overlap
+    assert ens._start(PROMPT, None, None, None, {"schedule": "overlap"}).can_overlap
+    assert not ens._start(PROMPT, None, None, None, {"schedule": "overlap", "method": "every_token"}).can_overlap
+
+
+def test_streams_show_verified_text_only_in_the_overlap_schedule(members3):
+    ens = Ensemble(members3)
+    final = ens.generate(PROMPT, max_new_tokens=60, schedule="rounds").text
+    stream = ens.stream(PROMPT, max_new_tokens=60, schedule="overlap")
+    shown = ""
+    for delta in stream:
+        shown += delta
+        assert final.startswith(shown)  # nothing shown is ever taken back
+    assert shown == final == stream.result.text
+
+
+def test_cancelling_mid_overlap_frees_everything(members3, monkeypatch):
+    ens = Ensemble(members3)
+    baseline = live_caches()
+    verifier = ens.members[1]
+    original = verifier.forward_many
+    entered, proceed = threading.Event(), threading.Event()
+
+    def slow(jobs):
+        entered.set()
+        assert proceed.wait(30)
+        return original(jobs)
+
+    stream = ens.stream(PROMPT, max_new_tokens=200, schedule="overlap")
+    next(stream)
+    monkeypatch.setattr(verifier, "forward_many", slow)  # the next verification blocks beside the drafter
+    assert entered.wait(30)
+    stream.close()
+    proceed.set()
+    with pytest.raises(SafeEngineError, match="cancelled"):
+        next(stream)
+    assert wait_until(lambda: ens.open_requests == 0)
+    monkeypatch.undo()
+    stream = None
+    assert live_caches() <= baseline
+    assert ens.generate(PROMPT, max_new_tokens=10).stats.tokens == 10
+
+
+def test_a_seeded_sample_is_the_same_in_every_schedule_and_in_a_batch(members3):
+    """Random numbers are keyed by position and purpose, not drawn in sequence, so how drafting and
+    judging interleave does not change what a seed samples."""
+    ens = Ensemble(members3)
+    options = {"do_sample": True, "temperature": 0.9, "seed": 11, "max_new_tokens": 60}
+    texts = {ens.generate(PROMPT, **options, **schedule).text for schedule in SCHEDULES}
+    batch = ens.generate_batch([PROMPT, "Hello there", PROMPT], **options)
+    texts |= {batch[0].text, batch[2].text}
+    assert len(texts) == 1
+    assert ens.generate(PROMPT, **{**options, "seed": 12}).text not in texts
