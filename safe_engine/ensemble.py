@@ -430,14 +430,29 @@ class AsyncTextStream:
 
 
 def _ask_for_json(messages: list[dict[str, Any]], schema: Mapping[str, Any] | str) -> list[dict[str, Any]]:
-    """Tell the members what the grammar will hold them to (a model that knows the schema fills it in
-    meaningfully; the grammar alone only makes it valid)."""
-    text = schema if isinstance(schema, str) else json.dumps(schema_dict(schema), ensure_ascii=False)
-    instruction = f"Reply with only a JSON value that follows this JSON schema:\n{text}"
+    """Tell the members what the grammar will hold them to: a model that knows the keys fills them in
+    meaningfully, the grammar alone only makes the reply valid. An object's keys are listed with their types
+    and descriptions (a 0.5B model given the raw JSON schema wrote one long looping value instead)."""
+    spec = json.loads(schema) if isinstance(schema, str) else schema_dict(schema)
+    properties = spec.get("properties") if isinstance(spec, dict) else None
+    if isinstance(properties, dict) and properties:
+        keys = "; ".join(_describe_key(k, v) for k, v in properties.items())
+        instruction = f"Reply with only a JSON object with these keys: {keys}. Keep every value short."
+    else:
+        instruction = (
+            f"Reply with only a JSON value that follows this JSON schema:\n{json.dumps(spec, ensure_ascii=False)}"
+        )
     if messages and messages[0].get("role") == "system":
         first = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{instruction}".strip()}
         return [first, *messages[1:]]
     return [{"role": "system", "content": instruction}, *messages]
+
+
+def _describe_key(name: str, spec: Any) -> str:
+    spec = spec if isinstance(spec, dict) else {}
+    kind = spec.get("type") or ("one of " + json.dumps(spec["enum"]) if "enum" in spec else "value")
+    text = f'"{name}" ({kind if isinstance(kind, str) else "/".join(map(str, kind))})'
+    return f"{text}: {spec['description']}" if spec.get("description") else text
 
 
 def _weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:
