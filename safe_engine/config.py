@@ -66,7 +66,8 @@ class GenerationConfig:
         default="auto",
         metadata={
             "doc": '"rounds" | "overlap" (verifiers score behind the drafter, concurrently) | "auto": overlap when '
-            "one request runs alone and a spare core or a verifier device is free"
+            "one request runs alone, a spare core or a verifier device is free and overlap measured faster than "
+            "rounds on the first requests"
         },
     )
     adaptive_draft: bool = field(

@@ -16,7 +16,9 @@ Two schedules. **rounds** (above; with `adaptive_draft`, a draft ends one token 
 token at a shared boundary, where replacements happen, and its length follows the request's replacement
 rate). **overlap**: every round drafts one token while the verifiers, on another core or device, score the
 text before it, so their forward is off the critical path and a replacement costs at most the one token
-drafted meanwhile. Both judge every position on the same text, so they give the same greedy output.
+drafted meanwhile. Both judge every position on the same text, so they give the same greedy output, and the
+choice is made per round: schedule="auto" times both on a lone request's first rounds and keeps the faster
+(`OverlapGauge`).
 """
 
 from __future__ import annotations
@@ -83,16 +85,17 @@ class Generation:
         union: UnionVocab | None = None,
         executor: Executor | None = None,
         parallel_members: bool = False,
-        spare_capacity: bool = False,
+        overlap_gauge: OverlapGauge | None = None,
         constraint: Constraint | None = None,
         tools: Sequence[dict] | None = None,
         tool_choice: Any = None,
     ) -> None:
         """`executor` runs forwards of different members at once: always for the overlap schedule, and for
-        verifiers when `parallel_members` (they sit on different devices). `spare_capacity`: a free core or
-        device exists, so schedule="auto" may overlap. `constraint`: a grammar over the drafter's ids that
-        the output must follow (the drafter drafts under its mask, the ensemble picks only what it allows);
-        it always holds the accepted ids plus the current draft."""
+        verifiers when `parallel_members` (they sit on different devices). `overlap_gauge`: given when a
+        free core or device exists, so schedule="auto" may overlap when the gauge finds it faster.
+        `constraint`: a grammar over the drafter's ids that the output must follow (the drafter drafts under
+        its mask, the ensemble picks only what it allows); it always holds the accepted ids plus the current
+        draft."""
         self.config = config
         self.constraint = constraint
         self.tools, self.tool_choice = tools, tool_choice  # to read the calls back out of the text
@@ -105,11 +108,7 @@ class Generation:
         self.gates = config.active_gates if method != "single" else ()
         self.executor = executor
         self.parallel_members = parallel_members
-        self.can_overlap = (
-            bool(self.gates)
-            and executor is not None
-            and (config.schedule == "overlap" or (config.schedule == "auto" and spare_capacity))
-        )
+        self.overlap_gauge = overlap_gauge
         self.draft_length = config.draft_length  # adapted per round with `adaptive_draft`
         self.draws = Draws(config.seed)
         active_weights = weights[active] / weights[active].sum()
@@ -161,6 +160,14 @@ class Generation:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether this request's next round may use the overlap schedule (decided per round)."""
+        if not self.gates or self.executor is None or self.config.schedule == "rounds":
+            return False
+        gauge = self.overlap_gauge
+        return self.config.schedule == "overlap" or (gauge is not None and gauge.prefers_overlap)
 
     def begin_round(self, overlap: bool = False) -> None:
         """Start a round: the carried tokens become the draft; up to n new ones follow (1 without gates, and in
@@ -294,7 +301,7 @@ class Generation:
         base = self.config.draft_length
         if replacement is not None:
             self.draft_length = max(2, self.draft_length - 1)
-        elif kept == len(draft) and not self._cut_short:
+        elif not self._cut_short:  # tokens carried into the next round are not a miss
             self.draft_length = min(2 * base, self.draft_length + 1)
 
     def _scan_phase(self, draft: Draft, checks: list[Verification]) -> tuple[int, list[int] | None]:
@@ -512,6 +519,9 @@ def run_round(gens: Sequence[Generation]) -> None:
 
 def _run_round(gens: Sequence[Generation]) -> None:
     overlap = len(gens) == 1 and gens[0].can_overlap  # with many live requests, batching comes first
+    alone = len(gens) == 1 and gens[0].config.schedule == "auto" and gens[0].stats.rounds > 0  # not the prefill
+    gauge = gens[0].overlap_gauge if alone else None
+    started, tokens = time.perf_counter(), gens[0].stats.tokens
     live = []
     for gen in gens:
         try:
@@ -533,6 +543,8 @@ def _run_round(gens: Sequence[Generation]) -> None:
                 check.take(rows)
         for gen in live:
             gen.end_round()
+        if gauge is not None and live:
+            gauge.record(overlap, time.perf_counter() - started, gens[0].stats.tokens - tokens)
     except Exception as err:  # a forward failed: every request of the batch fails with it
         for gen in live:
             gen.fail(err)
@@ -553,6 +565,38 @@ def _overlapped(gen: Generation) -> None:
         rows = verifying.result() if verifying is not None else []  # never leave a forward running
     for check, check_rows in zip(checks, rows):
         check.take(check_rows)
+
+
+class OverlapGauge:
+    """Which single-request schedule is faster on this hardware, measured, shared by an ensemble's requests.
+
+    Overlap hides the verifiers' forward only while the hardware runs it beside the drafter's for free. On a
+    CPU whose cores share the memory bandwidth a big verifier set slows the drafter as much as it saves
+    (measured: Qwen-0.5B drafting for SmolLM2-135M + gemma-3-270m on two cores, 0.41x the drafter alone
+    overlapped vs 0.56x in rounds; with SmolLM2 alone 0.90x vs 0.79x). So schedule="auto" times a lone
+    request's rounds: `EXPLORE` kept tokens overlapped, then as many in rounds, then keeps the schedule
+    with fewer seconds per kept token for good. Both give the same greedy text, so switching is free."""
+
+    EXPLORE = 32
+
+    def __init__(self) -> None:
+        self._spent = {True: [0.0, 0], False: [0.0, 0]}  # overlap? -> [seconds, kept tokens]
+        self._lock = threading.Lock()
+
+    @property
+    def prefers_overlap(self) -> bool:
+        with self._lock:
+            (o_s, o_n), (r_s, r_n) = self._spent[True], self._spent[False]
+            if o_n < self.EXPLORE or r_n < self.EXPLORE:
+                return o_n < self.EXPLORE
+            return o_s / o_n <= r_s / r_n
+
+    def record(self, overlap: bool, seconds: float, tokens: int) -> None:
+        with self._lock:
+            spent = self._spent[overlap]
+            if spent[1] < self.EXPLORE:
+                spent[0] += seconds
+                spent[1] += tokens
 
 
 def _executor(gens: Sequence[Generation]) -> Executor | None:

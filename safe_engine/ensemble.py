@@ -18,7 +18,7 @@ from .aggregation import UnionVocab
 from .chat import chat_prompt_ids, check_text, validate_messages
 from .config import GenerationConfig
 from .constrained import Constraint, Grammar, schema_dict
-from .decoding import Generation
+from .decoding import Generation, OverlapGauge
 from .errors import ConfigError, InputError, InputTypeError
 from .members import Member, ModelSpec, check_device, load_member, unique_names
 from .scheduler import Scheduler, Ticket, collect
@@ -59,6 +59,7 @@ class Ensemble:
         # and the verifiers behind the drafter in the overlap schedule.
         self._executor = ThreadPoolExecutor(max(2, len(members)), thread_name_prefix="safe-forward")
         self._parallel_members = len({str(m.device) for m in members}) > 1
+        self._overlap_gauge = OverlapGauge()  # overlap or rounds: timed on the first requests
         self._scheduler = Scheduler(max_batch_size)
 
     @property
@@ -277,15 +278,15 @@ class Ensemble:
             union,
             self._executor,
             self._parallel_members,
-            self._spare_capacity(),
+            self._overlap_gauge if self._spare_capacity() else None,
             constraint,
             tools,
             tool_choice,
         )
 
     def _spare_capacity(self) -> bool:
-        """Whether verifiers can run beside the drafter without slowing it: they sit on other devices, or the
-        CPU has cores left over by torch's threads (schedule="auto" then overlaps a lone request)."""
+        """Whether verifiers can run beside the drafter: they sit on other devices, or the CPU has cores left
+        over by torch's threads (schedule="auto" then overlaps a lone request if the gauge finds it faster)."""
         drafter = str(self.drafter.device)
         if any(str(m.device) != drafter for m in self.members):
             return True

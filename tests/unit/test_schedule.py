@@ -5,10 +5,12 @@ cancelling mid-overlap frees everything; streams only ever show verified text.""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from safe_engine import ConfigError, Ensemble, SafeEngineError
+from safe_engine.decoding import OverlapGauge
 from tests.conftest import tiny_member
 from tests.reliability.conftest import live_caches, wait_until
 
@@ -69,6 +71,43 @@ def test_auto_overlaps_a_lone_request_only_with_a_spare_core(members3, monkeypat
     assert not ens._start(PROMPT, None, None, None, {}).can_overlap
     assert ens._start(PROMPT, None, None, None, {"schedule": "overlap"}).can_overlap
     assert not ens._start(PROMPT, None, None, None, {"schedule": "overlap", "method": "every_token"}).can_overlap
+
+
+def test_the_overlap_gauge_times_overlap_then_rounds_and_keeps_the_faster():
+    slow_overlap, fast_overlap = OverlapGauge(), OverlapGauge()
+    n = OverlapGauge.EXPLORE
+    for gauge, overlap_s in ((slow_overlap, 0.3), (fast_overlap, 0.1)):
+        assert gauge.prefers_overlap  # explores overlap first
+        gauge.record(True, overlap_s * n, n)
+        assert not gauge.prefers_overlap  # then rounds
+        gauge.record(False, 0.2 * n / 2, n // 2)
+        assert not gauge.prefers_overlap  # rounds not measured enough yet
+        gauge.record(False, 0.2 * n / 2, n // 2)
+    assert fast_overlap.prefers_overlap and not slow_overlap.prefers_overlap
+    fast_overlap.record(True, 100.0, 1)  # decided for good
+    assert fast_overlap.prefers_overlap
+
+
+def test_auto_falls_back_to_rounds_when_the_verifiers_cannot_keep_up(members3, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    ens = Ensemble(members3)
+    rounds_text = ens.generate(PROMPT, max_new_tokens=100, schedule="rounds").text
+    verifier = ens.members[1]
+    original = verifier.forward_many
+
+    def sluggish(jobs):  # a verifier 50 ms slower than the tiny drafter's step
+        time.sleep(0.05)
+        return original(jobs)
+
+    monkeypatch.setattr(verifier, "forward_many", sluggish)
+    res = ens.generate(PROMPT, max_new_tokens=100)
+    assert res.text == rounds_text  # the schedule changes mid-request; the greedy text does not
+    assert not ens._overlap_gauge.prefers_overlap  # timed both (1 token each, then up to 5 per verification)
+    assert not ens._start(PROMPT, None, None, None, {}).can_overlap
+    assert ens._start(PROMPT, None, None, None, {"schedule": "overlap"}).can_overlap  # forcing it still works
 
 
 def test_streams_show_verified_text_only_in_the_overlap_schedule(members3):
