@@ -286,7 +286,7 @@ class Generation:
             agreed = len(self.buffer) + sum(len(p) for p in draft.pieces[:kept])
             for check in checks:
                 check.freeze(min(agreed, len(check.text)))
-            self._adapt(draft, kept, replacement)
+            self._adapt(replacement)
             self._accept(draft, kept, replacement)
         self.checks = []
         self.stats.rounds += 1
@@ -294,7 +294,7 @@ class Generation:
         if self.finished or self._cancelled:
             self._release()
 
-    def _adapt(self, draft: Draft, kept: int, replacement: list[int] | None) -> None:
+    def _adapt(self, replacement: list[int] | None) -> None:
         """Draft length follows the replacements: one shorter after one, one longer after a clean round."""
         if not self.config.adaptive_draft or self._verified is not None:
             return
