@@ -66,8 +66,8 @@ class GenerationConfig:
         default="auto",
         metadata={
             "doc": '"rounds" | "overlap" (verifiers score behind the drafter, concurrently) | "auto": overlap when '
-            "one request runs alone, a spare core or a verifier device is free and overlap measured faster than "
-            "rounds on the first requests"
+            "one request runs alone, a spare core or a verifier device is free and the verifiers keep up with "
+            "the drafter (timed on the first overlapped rounds)"
         },
     )
     adaptive_draft: bool = field(

@@ -17,13 +17,14 @@ token at a shared boundary, where replacements happen, and its length follows th
 rate). **overlap**: every round drafts one token while the verifiers, on another core or device, score the
 text before it, so their forward is off the critical path and a replacement costs at most the one token
 drafted meanwhile. Both judge every position on the same text, so they give the same greedy output, and the
-choice is made per round: schedule="auto" times both on a lone request's first rounds and keeps the faster
-(`OverlapGauge`).
+choice is made per round: schedule="auto" overlaps a lone request while `OverlapGauge` finds that the
+verifiers keep up with the drafter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
 from collections.abc import Sequence
@@ -92,7 +93,7 @@ class Generation:
     ) -> None:
         """`executor` runs forwards of different members at once: always for the overlap schedule, and for
         verifiers when `parallel_members` (they sit on different devices). `overlap_gauge`: given when a
-        free core or device exists, so schedule="auto" may overlap when the gauge finds it faster.
+        free core or device exists, so schedule="auto" may overlap while the gauge finds it pays.
         `constraint`: a grammar over the drafter's ids that the output must follow (the drafter drafts under
         its mask, the ensemble picks only what it allows); it always holds the accepted ids plus the current
         draft."""
@@ -519,9 +520,6 @@ def run_round(gens: Sequence[Generation]) -> None:
 
 def _run_round(gens: Sequence[Generation]) -> None:
     overlap = len(gens) == 1 and gens[0].can_overlap  # with many live requests, batching comes first
-    alone = len(gens) == 1 and gens[0].config.schedule == "auto" and gens[0].stats.rounds > 0  # not the prefill
-    gauge = gens[0].overlap_gauge if alone else None
-    started, tokens = time.perf_counter(), gens[0].stats.tokens
     live = []
     for gen in gens:
         try:
@@ -543,8 +541,6 @@ def _run_round(gens: Sequence[Generation]) -> None:
                 check.take(rows)
         for gen in live:
             gen.end_round()
-        if gauge is not None and live:
-            gauge.record(overlap, time.perf_counter() - started, gens[0].stats.tokens - tokens)
     except Exception as err:  # a forward failed: every request of the batch fails with it
         for gen in live:
             gen.fail(err)
@@ -555,48 +551,54 @@ def _run_round(gens: Sequence[Generation]) -> None:
 
 
 def _overlapped(gen: Generation) -> None:
-    """The drafter's next token and the verifiers' pass over the text before it, at the same time."""
+    """The drafter's next token and the verifiers' pass over the text before it, at the same time; both are
+    timed for the overlap gauge."""
     checks = [c for c in gen.verify() if c.job is not None]
-    verifying = gen.executor.submit(_score_all, [(c.track, c.job) for c in checks]) if checks else None
+    verifying = gen.executor.submit(_timed, _score_all, [(c.track, c.job) for c in checks]) if checks else None
+    drafter_s = None
     try:
         if gen.drafting:
-            gen.take_draft(_score_all([(gen.drafter, gen.draft_job())])[0])
+            drafted, drafter_s = _timed(_score_all, [(gen.drafter, gen.draft_job())])
+            gen.take_draft(drafted[0])
     finally:
-        rows = verifying.result() if verifying is not None else []  # never leave a forward running
+        rows, verifiers_s = verifying.result() if verifying is not None else ([], None)  # never leave one running
     for check, check_rows in zip(checks, rows):
         check.take(check_rows)
+    if gen.overlap_gauge is not None and drafter_s and verifiers_s is not None:
+        gen.overlap_gauge.record(verifiers_s / drafter_s)
 
 
 class OverlapGauge:
-    """Which single-request schedule is faster on this hardware, measured, shared by an ensemble's requests.
+    """Whether the overlap schedule pays on this hardware, measured on its own rounds and shared by an
+    ensemble's requests. Overlap hides the verifiers' pass only while it ends before the drafter's step does;
+    when it takes longer, the drafter waits for it at every token and one verification per round is cheaper.
+    On a CPU whose cores share the memory bandwidth that happens with a big verifier set (measured: Qwen-0.5B
+    drafting for SmolLM2-135M + gemma-3-270m on two cores, 0.41x the drafter alone overlapped vs 0.56x in
+    rounds; for SmolLM2 alone 0.90x vs 0.79x). After its first `SAMPLES` overlapped rounds the gauge decides
+    for good: schedule="auto" keeps overlapping only if the median verifier / drafter time is below 1. The
+    ratio of two forwards that ran side by side does not depend on the text, as a time per token would."""
 
-    Overlap hides the verifiers' forward only while the hardware runs it beside the drafter's for free. On a
-    CPU whose cores share the memory bandwidth a big verifier set slows the drafter as much as it saves
-    (measured: Qwen-0.5B drafting for SmolLM2-135M + gemma-3-270m on two cores, 0.41x the drafter alone
-    overlapped vs 0.56x in rounds; with SmolLM2 alone 0.90x vs 0.79x). So schedule="auto" times a lone
-    request's rounds: `EXPLORE` kept tokens overlapped, then as many in rounds, then keeps the schedule
-    with fewer seconds per kept token for good. Both give the same greedy text, so switching is free."""
-
-    EXPLORE = 32
+    SAMPLES = 8
 
     def __init__(self) -> None:
-        self._spent = {True: [0.0, 0], False: [0.0, 0]}  # overlap? -> [seconds, kept tokens]
+        self._ratios: list[float] = []
         self._lock = threading.Lock()
+
+    def record(self, ratio: float) -> None:
+        with self._lock:
+            if len(self._ratios) < self.SAMPLES:
+                self._ratios.append(ratio)
 
     @property
     def prefers_overlap(self) -> bool:
         with self._lock:
-            (o_s, o_n), (r_s, r_n) = self._spent[True], self._spent[False]
-            if o_n < self.EXPLORE or r_n < self.EXPLORE:
-                return o_n < self.EXPLORE
-            return o_s / o_n <= r_s / r_n
+            return len(self._ratios) < self.SAMPLES or statistics.median(self._ratios) < 1.0
 
-    def record(self, overlap: bool, seconds: float, tokens: int) -> None:
-        with self._lock:
-            spent = self._spent[overlap]
-            if spent[1] < self.EXPLORE:
-                spent[0] += seconds
-                spent[1] += tokens
+
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
 
 
 def _executor(gens: Sequence[Generation]) -> Executor | None:

@@ -59,7 +59,7 @@ class Ensemble:
         # and the verifiers behind the drafter in the overlap schedule.
         self._executor = ThreadPoolExecutor(max(2, len(members)), thread_name_prefix="safe-forward")
         self._parallel_members = len({str(m.device) for m in members}) > 1
-        self._overlap_gauge = OverlapGauge()  # overlap or rounds: timed on the first requests
+        self._overlap_gauge = OverlapGauge()  # whether overlap pays here: timed on the first requests
         self._scheduler = Scheduler(max_batch_size)
 
     @property
@@ -286,7 +286,7 @@ class Ensemble:
 
     def _spare_capacity(self) -> bool:
         """Whether verifiers can run beside the drafter: they sit on other devices, or the CPU has cores left
-        over by torch's threads (schedule="auto" then overlaps a lone request if the gauge finds it faster)."""
+        over by torch's threads (schedule="auto" then overlaps a lone request while the gauge finds it pays)."""
         drafter = str(self.drafter.device)
         if any(str(m.device) != drafter for m in self.members):
             return True
