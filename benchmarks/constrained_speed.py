@@ -62,14 +62,19 @@ def run(ens: Ensemble, method: str, request: dict, max_new_tokens: int) -> dict:
 
 
 def _valid(res, request: dict) -> bool | None:
-    if "json_schema" in request:
-        try:
-            json.loads(res.text)
+    """Whether the output parses and validates against the schema (None for free text)."""
+    import jsonschema  # a test dependency of the package
+
+    try:
+        if "json_schema" in request:
+            jsonschema.validate(json.loads(res.text), SCHEMA)
             return True
-        except ValueError:
-            return False
-    if "tools" in request:
-        return bool(res.tool_calls) and not res.invalid_tool_calls
+        if "tools" in request:
+            for call in res.tool_calls or []:
+                jsonschema.validate(call["arguments"], SCHEMA)
+            return bool(res.tool_calls) and not res.invalid_tool_calls
+    except (ValueError, jsonschema.ValidationError):
+        return False
     return None
 
 

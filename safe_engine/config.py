@@ -74,7 +74,8 @@ class GenerationConfig:
         default=True,
         metadata={
             "doc": "end a draft one token after an unsure drafter token at a shared boundary (where replacements "
-            "happen) and adapt the draft length to the request's replacement rate"
+            "happen) and adapt the draft length to the request's replacement rate (a request alone; a batch "
+            "drafts the configured length in lockstep)"
         },
     )
     timeout_s: float | None = field(

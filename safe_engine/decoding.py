@@ -12,13 +12,13 @@ One `Generation` is one request. Each round has three phases:
    " Inc" of " Incorrect") is judged next round instead, with its drafted tokens carried over.
 Caches are cropped, never recomputed from scratch.
 
-Two schedules. **rounds** (above; with `adaptive_draft`, a draft ends one token after an unsure drafter
-token at a shared boundary, where replacements happen, and its length follows the request's replacement
-rate). **overlap**: every round drafts one token while the verifiers, on another core or device, score the
-text before it, so their forward is off the critical path and a replacement costs at most the one token
-drafted meanwhile. Both judge every position on the same text, so they give the same greedy output, and the
-choice is made per round: schedule="auto" overlaps a lone request while `OverlapGauge` finds that the
-verifiers keep up with the drafter.
+Two schedules. **rounds** (above; with `adaptive_draft`, a lone request's draft ends one token after an
+unsure drafter token at a shared boundary, where replacements happen, and its length follows the request's
+replacement rate; a batch drafts the configured length in lockstep). **overlap**: every round drafts one
+token while the verifiers, on another core or device, score the text before it, so their forward is off the
+critical path and a replacement costs at most the one token drafted meanwhile. Both judge every position on
+the same text, so they give the same greedy output, and the choice is made per round: schedule="auto"
+overlaps a lone request while `OverlapGauge` finds that the verifiers keep up with the drafter.
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ class Generation:
         self._verified = 0  # drafted tokens the verifiers see this round (all of them, but in overlap)
         self._points: list[tuple[int, Verdict, bool]] = []  # this round's ensemble points (committed on accept)
         self._cut_short = False  # this round's draft ended early at an unsure token
+        self._adaptive = config.adaptive_draft  # this round adapts its draft (never in a batch)
         self.error: BaseException | None = None  # why the request failed (it then holds no caches)
         self.finish_reason: str | None = None
         self._busy = threading.Lock()
@@ -170,9 +171,11 @@ class Generation:
         gauge = self.overlap_gauge
         return self.config.schedule == "overlap" or (gauge is not None and gauge.prefers_overlap)
 
-    def begin_round(self, overlap: bool = False) -> None:
+    def begin_round(self, overlap: bool = False, batched: bool = False) -> None:
         """Start a round: the carried tokens become the draft; up to n new ones follow (1 without gates, and in
-        the overlap schedule, where the verifiers meanwhile score the carried ones)."""
+        the overlap schedule, where the verifiers meanwhile score the carried ones). In a batch (`batched`)
+        the draft keeps the configured length: the batch drafts in lockstep, and one request stopping early
+        leaves the others' drafting steps part empty (8 GSM8K requests: 10.7 tok/s adaptive vs 15.9 fixed)."""
         if self.finished:
             raise InputError("this generation has finished; start a new one")
         if self._cancelled:
@@ -187,7 +190,8 @@ class Generation:
         cfg = self.config
         self.draft, self.pending = self.pending, Draft()
         self._budget = cfg.max_new_tokens - self.stats.tokens
-        n = self.draft_length if self.gates and not overlap else 1
+        self._adaptive = cfg.adaptive_draft and not batched
+        n = (self.draft_length if self._adaptive else cfg.draft_length) if self.gates and not overlap else 1
         self._to_draft = min(n, self._budget - len(self.draft))
         self.checks: list[Verification] = []
         self.draft.final |= self._to_draft <= 0
@@ -230,8 +234,7 @@ class Generation:
     def _likely_ensemble_point(self, tok: int, row: Row) -> bool:
         """Whether drafting on past `tok` is likely wasted: the drafter is unsure of it and it starts where
         every tokenizer has a boundary (only there can the ensemble replace it)."""
-        cfg = self.config
-        if not cfg.adaptive_draft or float(row.logprob([tok]).exp()) >= UNSURE:
+        if not self._adaptive or float(row.logprob([tok]).exp()) >= UNSURE:
             return False
         if "boundary" not in self.gates:
             return True
@@ -297,7 +300,7 @@ class Generation:
 
     def _adapt(self, replacement: list[int] | None) -> None:
         """Draft length follows the replacements: one shorter after one, one longer after a clean round."""
-        if not self.config.adaptive_draft or self._verified is not None:
+        if not self._adaptive or self._verified is not None:
             return
         base = self.config.draft_length
         if replacement is not None:
@@ -523,7 +526,7 @@ def _run_round(gens: Sequence[Generation]) -> None:
     live = []
     for gen in gens:
         try:
-            gen.begin_round(overlap)
+            gen.begin_round(overlap, batched=len(gens) > 1)
             live.append(gen)
         except Exception as err:  # this request alone (timed out, cancelled, finished)
             gen.fail(err)

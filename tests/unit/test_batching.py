@@ -129,13 +129,12 @@ def test_each_request_of_a_mixed_batch_gets_exactly_its_solo_result(chat3, monke
         t.start()
     for t in threads:
         t.join()
-    for a, b in zip(alone, together):
-        assert (b.text, b.finish_reason, b.stats.tokens, b.stats.ensembled_tokens, b.stats.forward_passes) == (
+    for a, b in zip(alone, together):  # passes may differ: a batch drafts fixed lengths, a lone request adapts
+        assert (b.text, b.finish_reason, b.stats.tokens, b.stats.ensembled_tokens) == (
             a.text,
             a.finish_reason,
             a.stats.tokens,
             a.stats.ensembled_tokens,
-            a.stats.forward_passes,
         )
     assert max(widths) > 2  # the requests really shared rounds
     assert chat3.open_requests == 0
