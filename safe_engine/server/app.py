@@ -455,14 +455,21 @@ def engine_error(err: BaseException) -> RequestError:
     return RequestError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error", type="server_error")
 
 
-async def _start(job: EngineJob, state: ServerState, request: Request) -> None:
-    """Open the job's stream before answering 200, so a bad request is still a plain 4xx."""
+def _interruption(state: ServerState, request: Request):
+    """Why a job should stop now: the server is shutting down or the client left (None: go on)."""
 
     async def check() -> str | None:
         if state.stopping():
             return "shutdown"
         return "disconnected" if await request.is_disconnected() else None
 
+    return check
+
+
+async def _start(job: EngineJob, state: ServerState, request: Request) -> None:
+    """Open the job's stream before answering 200, so a bad request is still a plain 4xx."""
+
+    check = _interruption(state, request)
     try:
         await job.start(check)
     except Interrupted as err:
@@ -477,11 +484,7 @@ async def _start(job: EngineJob, state: ServerState, request: Request) -> None:
 async def _collect(job: EngineJob, state: ServerState, request: Request, reply: ReplyFilter | None) -> Any:
     """Run a non-streaming job to its result; a client that leaves cancels it."""
 
-    async def check() -> str | None:
-        if state.stopping():
-            return "shutdown"
-        return "disconnected" if await request.is_disconnected() else None
-
+    check = _interruption(state, request)
     try:
         await job.start(check)
         async for event in job.events(check):
