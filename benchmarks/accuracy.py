@@ -119,6 +119,13 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
         batch = {"problems": problems, "batch_size": args.ensemble_batch}
         return lambda: make_ensemble_config(members(), **settings, **batch, **kw)
 
+    def three(drafter: int = 0) -> Callable[[], Ensemble]:
+        return lambda: Ensemble([qwen(), smol(), gemma()], drafter=drafter)
+
+    sampling = {
+        f"UniTE+SAFE sampling (seed {seed})": ens(pair, method="safe", do_sample=True, temperature=0.7, seed=seed)
+        for seed in range(args.seed, args.seed + 3)
+    }
     return {
         "qwen alone": single(qwen),
         "smollm2 alone": single(smol),
@@ -126,13 +133,24 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
         "GaC every token": ens(pair, method="every_token", aggregation="gac"),
         "UniTE+SAFE": ens(pair, method="safe", aggregation="unite"),
         "GaC+SAFE": ens(pair, method="safe", aggregation="gac"),
-        "UniTE+SAFE sampling": ens(pair, method="safe", do_sample=True, temperature=0.7, seed=args.seed),
+        # the extended rows: each gate alone, sampling, another drafter
+        "UniTE+SAFE boundary gate only": ens(pair, method="safe", gates=("boundary",)),
+        "UniTE+SAFE consensus gate only": ens(pair, method="safe", gates=("consensus",)),
+        **sampling,
+        "UniTE+SAFE, smollm2 drafts": ens(lambda: Ensemble([qwen(), smol()], drafter=1), method="safe"),
         "gemma alone": single(gemma, PLAIN_CHAT_STOP),
-        "UniTE+SAFE (3 models)": ens(lambda: Ensemble([qwen(), smol(), gemma()]), method="safe"),
+        "UniTE+SAFE (3 models)": ens(three(), method="safe"),
+        "UniTE+SAFE (3 models), smollm2 drafts": ens(three(1), method="safe"),
+        "UniTE+SAFE (3 models), gemma drafts": ens(three(2), method="safe"),
     }
 
 
-_GEMMA_ROWS = ("gemma alone", "UniTE+SAFE (3 models)")
+_GEMMA_ROWS = (
+    "gemma alone",
+    "UniTE+SAFE (3 models)",
+    "UniTE+SAFE (3 models), smollm2 drafts",
+    "UniTE+SAFE (3 models), gemma drafts",
+)
 
 
 def append_timing(path: Path, entry: dict[str, Any]) -> None:
@@ -143,13 +161,15 @@ def append_timing(path: Path, entry: dict[str, Any]) -> None:
 
 def write_timings(out: Path) -> Path:
     """OUT/timings.json: per task, the summed wall and CPU time of its runs (OUT/timings.jsonl, one line per
-    invocation, model loading included) and of each row (its records' wall_time_s / cpu_time_s)."""
+    invocation, model loading included) and of each row (its records' wall_time_s / cpu_time_s in
+    OUT/TASK.jsonl and OUT/TASK.*.jsonl)."""
     runs = load_records(out / "timings.jsonl")
     summary: dict[str, Any] = {}
     for task in sorted({str(r["task"]) for r in runs}):
         mine = [r for r in runs if r["task"] == task]
         rows: dict[str, dict[str, float]] = {}
-        for rec in load_records(out / f"{task}.jsonl"):
+        parts = [out / f"{task}.jsonl", *sorted(out.glob(f"{task}.*.jsonl"))]  # other processes' files too
+        for rec in (r for part in parts for r in load_records(part)):
             row = rows.setdefault(str(rec["config"]), {"n": 0, "wall_s": 0.0, "cpu_s": 0.0})
             row["n"] += 1
             row["wall_s"] += float(rec.get("wall_time_s") or 0.0)
@@ -175,7 +195,7 @@ def main() -> None:
     p.add_argument("--start", type=int, default=0, help="skip the first START problems (to split a run)")
     p.add_argument("--subtasks", nargs="+", default=list(BBH_SUBTASKS), help="bbh subtasks (default BBH_SUBTASKS)")
     p.add_argument("--max-new-tokens", type=int, help="default: MAX_NEW_TOKENS[task]")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first of the three seeds of the sampling rows")
     p.add_argument("--three", action="store_true", help="without --configs: also run the gemma-3-270m rows")
     p.add_argument("--configs", nargs="+", help="subset of configuration names to run")
     p.add_argument("--batch", type=int, default=16, help="problems per generate call for single-model rows")

@@ -44,6 +44,7 @@ from safe_engine.eval.runner import (
     problem_seed,
     run_eval,
 )
+from safe_engine.eval.significance import McNemar, bootstrap_difference, bootstrap_interval, mcnemar
 from safe_engine.eval.tasks import (
     TASKS,
     DatasetNotFoundError,
@@ -58,10 +59,13 @@ __all__ = [
     "ConfigFn",
     "ConfigRow",
     "DatasetNotFoundError",
+    "McNemar",
     "Problem",
     "Score",
     "aggregate",
     "bbh_equal",
+    "bootstrap_difference",
+    "bootstrap_interval",
     "build_prompt",
     "chat_messages",
     "completed_keys",
@@ -79,6 +83,7 @@ __all__ = [
     "make_batched_single_config",
     "make_ensemble_config",
     "math_equal",
+    "mcnemar",
     "normalize_math",
     "numbers_equal",
     "parse_gsm8k_reference",

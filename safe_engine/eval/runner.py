@@ -244,7 +244,9 @@ def make_ensemble_config(
     Uses the contract API: ``ensemble.generate(messages=..., **kw)`` for chat models (each member applies
     its own chat template), ``ensemble.generate(prompt_text, **kw)`` with few-shot text and stop strings
     for base models. The result's ``.text``, ``.finish_reason`` and ``.stats`` (``tokens``,
-    ``ensembled_tokens``, ``ensemble_rate``, ``wall_time_s``, ``tokens_per_s``) are copied into the record.
+    ``ensembled_tokens``, ``ensemble_rate``, ``wall_time_s``, ``tokens_per_s``, ``replaced_tokens``,
+    ``discarded_draft_tokens``, ``forward_passes``) are copied into the record, with ``cpu_time_s`` (this
+    process's CPU time, all threads; a batch's times are divided by its size).
 
     Args:
         method / aggregation / do_sample / max_new_tokens: passed to ``generate`` unchanged.
@@ -278,7 +280,7 @@ def make_ensemble_config(
         prompt = build_prompt(problem, chat=chat, fewshot=fewshot)
         return {"messages": prompt} if chat else {"prompt": prompt}, kwargs
 
-    def record(result: Any, kwargs: dict[str, Any], elapsed: float, batch: int) -> dict[str, Any]:
+    def record(result: Any, kwargs: dict[str, Any], elapsed: float, cpu: float, batch: int) -> dict[str, Any]:
         stats = getattr(result, "stats", None)
         out: dict[str, Any] = {
             "text": _cut_at_stop(str(result.text), tuple(kwargs.get("stop") or ())),
@@ -287,7 +289,12 @@ def make_ensemble_config(
             "ensembled_tokens": getattr(stats, "ensembled_tokens", None),
             "ensemble_rate": getattr(stats, "ensemble_rate", None),
             "wall_time_s": elapsed if batch > 1 else getattr(stats, "wall_time_s", None) or elapsed,
+            "cpu_time_s": cpu,
             "tokens_per_s": getattr(stats, "tokens_per_s", None),
+            # what SAFE paid beyond its floor: replaced drafter tokens and the drafted tokens dropped after them
+            "replaced_tokens": getattr(stats, "replaced_tokens", None),
+            "discarded_draft_tokens": getattr(stats, "discarded_draft_tokens", None),
+            "forward_passes": dict(getattr(stats, "forward_passes", None) or {}),
             "seed": kwargs.get("seed"),
             **({"batch_size": batch} if batch > 1 else {}),
         }
@@ -302,18 +309,19 @@ def make_ensemble_config(
             if problem.id not in answers:
                 batch = list(problems[order[problem.id] : order[problem.id] + batch_size])
                 requests = [request(p) for p in batch]
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 results = _decode_together(ensemble, requests)
                 share = (time.perf_counter() - start) / len(batch)
+                cpu_share = (time.process_time() - cpu_start) / len(batch)
                 for p, result, (_, kwargs) in zip(batch, results, requests, strict=True):
-                    answers[p.id] = record(result, kwargs, share, len(batch))
+                    answers[p.id] = record(result, kwargs, share, cpu_share, len(batch))
             return answers.pop(problem.id)
         call, kwargs = request(problem)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         # positional text (the contract does not name the parameter) or messages= for chat
         args: tuple[Any, ...] = (call.pop("prompt"),) if "prompt" in call else ()
         result = ensemble.generate(*args, **call, **kwargs)
-        return record(result, kwargs, time.perf_counter() - start, 1)
+        return record(result, kwargs, time.perf_counter() - start, time.process_time() - cpu_start, 1)
 
     run.settings = settings  # type: ignore[attr-defined]
     run.__name__ = f"ensemble_{method}_{aggregation}"

@@ -600,7 +600,14 @@ class FakeEnsemble:
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         self.calls.append((args, kwargs))
         stats = types.SimpleNamespace(
-            tokens=20, ensembled_tokens=2, ensemble_rate=0.1, wall_time_s=0.25, tokens_per_s=80.0
+            tokens=20,
+            ensembled_tokens=2,
+            ensemble_rate=0.1,
+            wall_time_s=0.25,
+            tokens_per_s=80.0,
+            replaced_tokens=1,
+            discarded_draft_tokens=3,
+            forward_passes={"a": 9, "b": 4},
         )
         return types.SimpleNamespace(text=self.text, finish_reason="stop", stats=stats)
 
@@ -616,6 +623,8 @@ def test_make_ensemble_config_chat_and_text(tmp_path: Path) -> None:
     assert kwargs["seed"] == problem_seed(7, "p0") and "stop" not in kwargs
     assert rec["tokens"] == 20 and rec["ensembled_tokens"] == 2 and rec["wall_time_s"] == 0.25
     assert rec["ensemble_rate"] == 0.1 and rec["tokens_per_s"] == 80.0 and rec["finish_reason"] == "stop"
+    assert rec["replaced_tokens"] == 1 and rec["discarded_draft_tokens"] == 3
+    assert rec["forward_passes"] == {"a": 9, "b": 4} and rec["cpu_time_s"] >= 0
 
     text_cfg = make_ensemble_config(ens, method="single", chat=False, draft_length=3)
     rec = text_cfg(problem)
@@ -793,3 +802,4 @@ def test_batched_ensemble_rows_answer_like_one_at_a_time(tmp_path: Path) -> None
             a["seed"],
         )
         assert b["batch_size"] in (3, 2) and "batch_size" not in a
+        assert b["replaced_tokens"] == a["replaced_tokens"] and b["cpu_time_s"] > 0 and a["cpu_time_s"] > 0

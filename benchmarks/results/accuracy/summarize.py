@@ -1,17 +1,26 @@
-"""Summary of the single-model rows of the accuracy study: writes summary.md (and timings.json) next to this file.
+"""The accuracy study's tables and figure: writes summary.md, summary.json and study.png next to this file.
 
-    python benchmarks/results/accuracy/summarize.py
+    python benchmarks/results/accuracy/summarize.py [FOLDER]   # default: this file's folder
 
-Per task and row: n, accuracy with a 95 % Wilson interval, answers cut at the budget, answers with no
-extractable answer, tokens/s (a batch's share, see the reports), the row's wall and CPU time; per BBH subtask
-accuracy; the chance and majority-class baselines; and the spread (max - min accuracy) of the three members
-per task, the first cut at "where are the members closest".
+Reads every task's records (TASK.jsonl and the parts TASK.*.jsonl that other processes appended to; a
+(row, problem) pair recorded twice keeps its last record). Per task:
+
+- the members alone, each on all the problems it answered (the cheap rows run first, on more problems);
+- the study table on the problems *every* row of the task answered (so rows are paired): accuracy with a
+  95 % percentile bootstrap interval, answers cut at the budget, no extractable answer, E/T, replaced
+  drafter tokens per 100 generated tokens, tokens/s (all rows are batched: a batch's throughput, marked
+  with its size), CPU seconds per problem;
+- paired comparisons of each ensemble row with the best member (the best on those same problems, chosen
+  after the fact) and with every-token ensembling of its aggregation: difference with a paired bootstrap
+  interval, the discordant problems, McNemar's exact p;
+- BBH per subtask.
+
+study.png: accuracy (with the bootstrap interval) against E/T, one panel per task, one point per row.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -23,115 +32,215 @@ sys.path.insert(0, str(HERE.parents[2] / "benchmarks"))
 
 from accuracy import write_timings  # noqa: E402
 
-from safe_engine.eval import load_records  # noqa: E402
+from safe_engine.eval import bootstrap_difference, bootstrap_interval, load_records, mcnemar  # noqa: E402
 
-TASKS = ("gsm8k", "arc", "bbh", "mmlu-redux")
-ROWS = ("qwen alone", "smollm2 alone", "gemma alone")
+TASKS = ("mmlu-redux", "arc", "gsm8k", "bbh")
+MEMBERS = ("qwen alone", "smollm2 alone", "gemma alone")
+#: The every-token baseline each SAFE row is compared with (its own aggregation, the same members).
+BASELINE = {
+    "UniTE+SAFE": "UniTE every token",
+    "GaC+SAFE": "GaC every token",
+    "UniTE+SAFE sampling": "UniTE every token",
+}
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 0.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
+def task_records(folder: Path, task: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """row -> problem id -> record, over TASK.jsonl and TASK.*.jsonl."""
+    rows: dict[str, dict[str, dict[str, Any]]] = {}
+    for path in [folder / f"{task}.jsonl", *sorted(folder.glob(f"{task}.*.jsonl"))]:
+        for r in load_records(path):
+            rows.setdefault(str(r["config"]), {})[str(r["problem_id"])] = r
+    return rows
 
 
 def baselines(recs: Sequence[dict[str, Any]], task: str) -> tuple[float | None, float | None]:
-    """(chance, majority-class accuracy) over one row's problems; chance is None for free-form answers.
+    """(chance, majority-class accuracy) over some problems; chance is None for free-form answers.
 
     The majority class is taken per BBH subtask (per task elsewhere: for ARC / MMLU-redux it is the most
     common answer letter, the score of a model that always picks that position)."""
-    refs = [str(r["reference"]) for r in recs]
-    if task == "gsm8k":
-        return None, None  # free-form numbers
-    parts = Counter(str(r.get("subtask")) if task == "bbh" else "" for r in recs)
+    if task == "gsm8k" or not recs:
+        return None, None
+    part = (lambda r: str(r.get("subtask"))) if task == "bbh" else (lambda r: "")
     hits = sum(
-        Counter(
-            str(r["reference"]) for r in recs if (str(r.get("subtask")) if task == "bbh" else "") == part
-        ).most_common(1)[0][1]
-        for part in parts
+        Counter(str(r["reference"]) for r in recs if part(r) == p).most_common(1)[0][1] for p in {part(r) for r in recs}
     )
-    majority = hits / len(refs) if refs else 0.0
     if task in ("arc", "mmlu-redux"):
-        return 0.25, majority  # ARC-Challenge and MMLU-redux: (almost) always four options
-    if task == "bbh":
-        binary = sum(1 for x in refs if x.lower() in ("true", "false", "yes", "no"))
-        return (0.5 * binary / len(refs) if refs else None), majority
-    return None, majority
+        return 0.25, hits / len(recs)  # (almost) always four options
+    binary = sum(1 for r in recs if str(r["reference"]).lower() in ("true", "false", "yes", "no"))
+    return 0.5 * binary / len(recs), hits / len(recs)
 
 
-def pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.1f}"
+def row_numbers(recs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One row's numbers over the given records."""
+    n = len(recs)
+    correct = [bool(r["correct"]) for r in recs]
+    lo, hi = bootstrap_interval(correct)
+    tokens = sum(int(r.get("tokens") or 0) for r in recs)
+    wall = sum(float(r.get("wall_time_s") or 0) for r in recs)
+    cpu = [float(r["cpu_time_s"]) for r in recs if r.get("cpu_time_s") is not None]
+    replaced = [int(r["replaced_tokens"]) for r in recs if r.get("replaced_tokens") is not None]
+    return {
+        "n": n,
+        "accuracy": sum(correct) / n,
+        "ci95": [lo, hi],
+        "cut": sum(1 for r in recs if r.get("finish_reason") == "length") / n,
+        "no_answer": sum(1 for r in recs if r.get("prediction") is None) / n,
+        "tokens": tokens,
+        "ensemble_rate": sum(int(r.get("ensembled_tokens") or 0) for r in recs) / tokens if tokens else 0.0,
+        "replaced_per_100_tokens": 100 * sum(replaced) / tokens if replaced and tokens else None,
+        "tokens_per_s": tokens / wall if wall else None,
+        "batch": max(int(r.get("batch_size") or 1) for r in recs),
+        "cpu_s_per_problem": sum(cpu) / len(cpu) if len(cpu) == n else None,
+    }
 
 
-def main() -> None:
-    write_timings(HERE)
-    timings = json.loads((HERE / "timings.json").read_text(encoding="utf-8"))
-    lines = ["# Accuracy study: single-model rows", ""]
-    spreads: dict[str, float] = {}
-    for task in TASKS:
-        records = load_records(HERE / f"{task}.jsonl")
-        if not records:
-            continue
-        by_row = {row: [r for r in records if r["config"] == row] for row in ROWS}
-        n_common = len(set.intersection(*({r["problem_id"] for r in v} for v in by_row.values())))
-        chance, majority = baselines(by_row["qwen alone"], task)
-        budget = max((int(r.get("max_new_tokens") or 0) for r in records), default=0)
-        t = timings.get(task, {})
-        lines += [
-            f"## {task} (max_new_tokens {budget}; {n_common} problems answered by all three rows)",
-            "",
-            f"Chance {pct(chance)} %, majority class {pct(majority)} %. Whole runs of this task: wall "
-            f"{t.get('wall_s', 0) / 60:.1f} min, CPU {t.get('cpu_s', 0) / 60:.1f} min over {t.get('runs', 0)} "
-            "invocation(s), model loading included.",
-            "",
-            "| Row | n | Accuracy (%) | 95 % CI | Cut at budget (%) | No answer (%) | Tokens/s † | "
-            "Row wall (min) | Row CPU (min) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        accs = []
-        for row, recs in by_row.items():
-            n = len(recs)
-            if not n:
-                continue
-            k = sum(1 for r in recs if r["correct"])
-            lo, hi = wilson(k, n)
-            cut = sum(1 for r in recs if r.get("finish_reason") == "length") / n
-            none = sum(1 for r in recs if r.get("prediction") is None) / n
-            tokens = sum(int(r.get("tokens") or 0) for r in recs)
-            wall = sum(float(r.get("wall_time_s") or 0) for r in recs)
-            cpu = sum(float(r.get("cpu_time_s") or 0) for r in recs)
-            accs.append(k / n)
-            lines.append(
-                f"| {row} | {n} | {100 * k / n:.1f} | {100 * lo:.0f}–{100 * hi:.0f} | {100 * cut:.0f} | "
-                f"{100 * none:.0f} | {tokens / wall if wall else 0:.1f} | {wall / 60:.1f} | {cpu / 60:.1f} |"
-            )
-        if len(accs) == len(ROWS):
-            spreads[task] = max(accs) - min(accs)
-        if task == "bbh":
-            subtasks = sorted({str(r["subtask"]) for r in records})
-            lines += ["", "| Row | " + " | ".join(subtasks) + " |", "|---|" + "---:|" * len(subtasks)]
-            for row, recs in by_row.items():
-                cells = []
-                for sub in subtasks:
-                    mine = [r for r in recs if r["subtask"] == sub]
-                    cells.append(f"{100 * sum(r['correct'] for r in mine) / len(mine):.0f}" if mine else "–")
-                lines.append(f"| {row} | " + " | ".join(cells) + " |")
-        lines.append("")
+def fmt(x: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
+    return "–" if x is None else format(x * scale, spec)
+
+
+def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
+    """The Markdown lines and the numbers of one task."""
+    rows = task_records(folder, task)
+    members = [m for m in MEMBERS if m in rows]
+    ensembles = [r for r in rows if r not in MEMBERS]
+    budget = max(int(r.get("max_new_tokens") or 0) for recs in rows.values() for r in recs.values())
+    lines = [f"## {task} (max_new_tokens {budget})", ""]
+    out: dict[str, Any] = {"max_new_tokens": budget, "members": {}, "rows": {}, "comparisons": []}
+
     lines += [
-        "† batched rows: tokens/s is a batch's throughput divided over its problems (not one-at-a-time speed).",
+        "Members alone, each on every problem it answered:",
         "",
-        "## Spread of the three members' accuracies (max - min, points)",
-        "",
-        "| Task | Spread |",
-        "|---|---:|",
+        "| Member | n | Accuracy (%) | 95 % CI | Cut (%) | No answer (%) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    lines += [f"| {task} | {100 * s:.1f} |" for task, s in sorted(spreads.items(), key=lambda kv: kv[1])]
-    (HERE / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print((HERE / "summary.md").read_text(encoding="utf-8"))
+    for m in members:
+        x = row_numbers(list(rows[m].values()))
+        out["members"][m] = x
+        lines.append(
+            f"| {m} | {x['n']} | {fmt(x['accuracy'], '.1f', 100)} | {fmt(x['ci95'][0], '.0f', 100)}–"
+            f"{fmt(x['ci95'][1], '.0f', 100)} | {fmt(x['cut'], '.0f', 100)} | {fmt(x['no_answer'], '.0f', 100)} |"
+        )
+    common = sorted(set.intersection(*(set(v) for v in rows.values())))
+    out["common_problems"] = len(common)
+    if not ensembles or not common:
+        return [*lines, ""], out
+
+    chance, majority = baselines([rows[members[0]][p] for p in common] if members else [], task)
+    lines += [
+        "",
+        f"All rows on the {len(common)} problems every row answered (chance {fmt(chance, '.1f', 100)} %, "
+        f"majority class {fmt(majority, '.1f', 100)} %):",
+        "",
+        "| Row | n | Accuracy (%) | 95 % CI | Cut (%) | No answer (%) | E/T (%) | Replaced / 100 tok | "
+        "Tokens/s (batch) | CPU s / problem |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    outcome: dict[str, list[bool]] = {}
+    for row in members + ensembles:
+        recs = [rows[row][p] for p in common]
+        outcome[row] = [bool(r["correct"]) for r in recs]
+        x = row_numbers(recs)
+        out["rows"][row] = x
+        lines.append(
+            f"| {row} | {x['n']} | {fmt(x['accuracy'], '.1f', 100)} | {fmt(x['ci95'][0], '.0f', 100)}–"
+            f"{fmt(x['ci95'][1], '.0f', 100)} | {fmt(x['cut'], '.0f', 100)} | {fmt(x['no_answer'], '.0f', 100)} | "
+            f"{fmt(x['ensemble_rate'], '.1f', 100)} | {fmt(x['replaced_per_100_tokens'])} | "
+            f"{fmt(x['tokens_per_s'])} (×{x['batch']}) | {fmt(x['cpu_s_per_problem'])} |"
+        )
+    best = max(members, key=lambda m: sum(outcome[m])) if members else None
+    lines += [
+        "",
+        f"Paired comparisons on the same {len(common)} problems (Δ = row − other, points; 95 % paired bootstrap "
+        "interval; 'only row / only other' = problems just one of the two solved; McNemar's exact p):",
+        "",
+        "| Row | vs | Δ (points) | 95 % CI | only row / only other | McNemar p |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in ensembles:
+        for other in (best, BASELINE.get(row)):
+            if other is None or other not in outcome or other == row:
+                continue
+            lo, hi = bootstrap_difference(outcome[row], outcome[other])
+            test = mcnemar(outcome[row], outcome[other])
+            delta = (sum(outcome[row]) - sum(outcome[other])) / len(common)
+            label = f"{other} (best member)" if other == best else other
+            out["comparisons"].append(
+                {"row": row, "other": other, "delta": delta, "ci95": [lo, hi]}
+                | {"only_row": test.only_a, "only_other": test.only_b, "p_value": test.p_value}
+            )
+            lines.append(
+                f"| {row} | {label} | {100 * delta:+.1f} | {100 * lo:+.1f} to {100 * hi:+.1f} | "
+                f"{test.only_a} / {test.only_b} | {test.p_value:.3f} |"
+            )
+    if task == "bbh":
+        subtasks = sorted({str(rows[members[0]][p]["subtask"]) for p in common})
+        lines += ["", "BBH accuracy (%) per subtask, same problems:", ""]
+        lines += ["| Row | " + " | ".join(subtasks) + " |", "|---|" + "---:|" * len(subtasks)]
+        for row in members + ensembles:
+            cells = []
+            for sub in subtasks:
+                mine = [rows[row][p]["correct"] for p in common if rows[row][p]["subtask"] == sub]
+                cells.append(f"{100 * sum(mine) / len(mine):.0f}" if mine else "–")
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return [*lines, ""], out
+
+
+def plot(numbers: dict[str, Any], path: Path) -> None:
+    """Accuracy against E/T per task, the bootstrap intervals as error bars; members sit at E/T 0."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    tasks = [t for t in TASKS if numbers.get(t, {}).get("rows")]
+    if not tasks:
+        return
+    fig = Figure(figsize=(5.2 * len(tasks), 4.6), dpi=120)
+    FigureCanvasAgg(fig)
+    for i, task in enumerate(tasks, 1):
+        ax = fig.add_subplot(1, len(tasks), i)
+        for row, x in numbers[task]["rows"].items():
+            et, acc = 100 * x["ensemble_rate"], 100 * x["accuracy"]
+            err = [[acc - 100 * x["ci95"][0]], [100 * x["ci95"][1] - acc]]
+            marker = "s" if row in MEMBERS else ("o" if "SAFE" in row else "^")
+            ax.errorbar([et], [acc], yerr=err, fmt=marker, capsize=3)
+            ax.annotate(row, (et, acc), textcoords="offset points", xytext=(6, 4), fontsize=7)
+        ax.set_title(f"{task} (n = {numbers[task]['common_problems']})")
+        ax.set_xlabel("E/T: ensembled / generated tokens (%)")
+        ax.set_ylabel("accuracy (%), 95 % bootstrap interval")
+        ax.grid(True, alpha=0.3)
+        ax.margins(0.2)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(folder: Path = HERE) -> None:
+    write_timings(folder)
+    timings = json.loads((folder / "timings.json").read_text(encoding="utf-8"))
+    lines = [
+        "# Accuracy study: the members alone, every-token and SAFE ensembles",
+        "",
+        "Written by `python benchmarks/results/accuracy/summarize.py` from the JSONL files here; commands, "
+        "problems and budgets in README.md. Greedy decoding; all rows batched (tokens/s is a batch's "
+        "throughput: members ×16 through transformers `generate`, ensembles ×8 through the engine's "
+        "continuous batching; one-at-a-time speed is in benchmarks/results/speed.md).",
+        "",
+    ]
+    numbers: dict[str, Any] = {}
+    for task in TASKS:
+        if not (folder / f"{task}.jsonl").exists():
+            continue
+        task_lines, numbers[task] = study(folder, task)
+        t = timings.get(task, {})
+        task_lines.insert(
+            2,
+            f"Runs of this task so far: wall {t.get('wall_s', 0) / 60:.0f} min, CPU {t.get('cpu_s', 0) / 60:.0f} min "
+            f"over {t.get('runs', 0)} invocation(s), model loading included.\n",
+        )
+        lines += task_lines
+    (folder / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (folder / "summary.json").write_text(json.dumps(numbers, indent=2) + "\n", encoding="utf-8")
+    plot(numbers, folder / "study.png")
+    print((folder / "summary.md").read_text(encoding="utf-8"))
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE)
