@@ -11,8 +11,12 @@ cot-prompts), mmlu-redux, math500.
 
 Members: Qwen2.5-Coder-0.5B-Instruct (drafter), SmolLM2-135M-Instruct, and gemma-3-270m (a base model: it joins
 the chat ensemble through the plain "Question/Answer" chat template PLAIN_CHAT, and its single-model row stops
-at "\\nQuestion:", where it would start inventing the next question). Without --configs the pair's rows run;
---three adds the gemma rows. A member is loaded only when a selected row needs it.
+at "\\nQuestion:", where it would start inventing the next question). Rows (config_factories): each member
+alone; every-token UniTE and GaC (the faithful baselines: no SAFE gate; GaC keeps its own "drafter's top
+probability < 0.5" gate, as GaC itself does); UniTE+SAFE and GaC+SAFE; the extended rows
+(each SAFE gate alone, UniTE+SAFE sampling at temperature 0.7 with three seeds, SmolLM2 drafting); and with
+gemma: SAFE over three members with each of them drafting. Without --configs the pair's rows run; --three adds
+the gemma rows. A member is loaded only when a selected row needs it.
 
 Which problems (the same for every row, deterministic): gsm8k and arc the first LIMIT problems in file order;
 bbh the first LIMIT / len(subtasks) problems of each subtask in file order; mmlu-redux the

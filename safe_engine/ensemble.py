@@ -166,7 +166,11 @@ class Ensemble:
         the output with a grammar (`constrained`), whichever member proposed the text; the result's
         `tool_calls` are the calls read back. Every GenerationConfig field is a keyword too."""
         options = {**options, "tool_choice": tool_choice, "json_schema": json_schema}
-        return collect(self._scheduler.submit(self._start(prompt, messages, tools, config, options)))
+        ticket = self._scheduler.submit(self._start(prompt, messages, tools, config, options))
+        try:
+            return collect(ticket)
+        finally:
+            ticket.cancel()  # a no-op once it is over; after an interrupt (Ctrl-C) the request stops too
 
     def generate_batch(
         self,

@@ -207,7 +207,8 @@ def _run_one(name: str, fn: ConfigFn, problem: Problem, scorer: Scorer) -> dict[
 
 
 class _Generates(Protocol):
-    """What :func:`make_ensemble_config` needs: the contract's ``Ensemble.generate``."""
+    """What :func:`make_ensemble_config` needs: the contract's ``Ensemble.generate`` (and ``Ensemble.stream``
+    to decode a batch of problems together)."""
 
     def generate(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -329,17 +330,22 @@ def make_ensemble_config(
 
 
 def _decode_together(ensemble: Any, requests: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[Any]:
-    """Every request at once: concurrent `generate` calls join one batch of the ensemble (each request
-    keeps its own options: stop strings and seed differ per problem)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(req: tuple[dict[str, Any], dict[str, Any]]) -> Any:
-        call, kwargs = dict(req[0]), req[1]
-        args: tuple[Any, ...] = (call.pop("prompt"),) if "prompt" in call else ()
-        return ensemble.generate(*args, **call, **kwargs)
-
-    with ThreadPoolExecutor(len(requests), thread_name_prefix="safe-eval") as pool:
-        return list(pool.map(one, requests))
+    """Every request at once: one stream each joins one batch of the ensemble (each request keeps its own
+    options: stop strings and seed differ per problem). Read from this thread, so an interrupt (Ctrl-C)
+    lands here and closing the streams cancels the whole batch at once."""
+    streams = []
+    try:
+        for call, kwargs in requests:
+            call = dict(call)
+            args: tuple[Any, ...] = (call.pop("prompt"),) if "prompt" in call else ()
+            streams.append(ensemble.stream(*args, **call, **kwargs))
+        for stream in streams:
+            for _ in stream:
+                pass
+        return [stream.result for stream in streams]
+    finally:
+        for stream in streams:
+            stream.close()  # a no-op for a finished request
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
+import signal
 import threading
 import time
 
@@ -158,6 +160,39 @@ def test_an_exception_mid_generation_leaves_the_ensemble_usable(ens3, fresh, mon
     assert calls["n"] == 4
     assert wait_until(lambda: ens3.open_requests == 0) and live_caches() <= baseline
     monkeypatch.undo()
+    assert_unaffected(ens3, fresh)
+
+
+def test_an_interrupt_in_the_callers_thread_stops_its_request(ens3, fresh, monkeypatch):
+    """Ctrl-C while `generate` waits for its result (the rounds run on the scheduler's thread): the request
+    stops at the round in flight instead of decoding on to max_new_tokens in the background."""
+    baseline = live_caches()
+    member = ens3.members[0]
+    original = member.forward_many
+    calls = {"n": 0, "at_interrupt": 0}
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt("interrupted by the user")
+
+    def forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            calls["at_interrupt"] = calls["n"]
+            os.kill(os.getpid(), signal.SIGUSR1)  # delivered to the main thread, which waits in generate
+        return original(*args, **kwargs)
+
+    previous = signal.signal(signal.SIGUSR1, interrupted)
+    monkeypatch.setattr(member, "forward_many", forward)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="by the user"):
+            ens3.generate(PROMPT, max_new_tokens=200, method="single")
+        assert wait_until(lambda: ens3.open_requests == 0)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    time.sleep(0.05)
+    assert calls["n"] <= calls["at_interrupt"] + 2  # the round in flight, not the 200 tokens asked for
+    monkeypatch.undo()
+    assert live_caches() <= baseline
     assert_unaffected(ens3, fresh)
 
 
