@@ -27,8 +27,9 @@ Budgets: --max-new-tokens defaults to MAX_NEW_TOKENS[task], chosen so that fewer
 answers are cut at the budget on a pilot of the first 32 problems (see benchmarks/results/accuracy/README.md).
 
 Single-model rows answer `--batch` problems per transformers `generate` call (greedy; see
-make_batched_single_config); ensemble rows decode `--ensemble-batch` problems together (continuous batching,
-each answer as if alone; default 8). On a small CPU machine, split the work
+make_batched_single_config); ensemble rows decode `--ensemble-batch` problems at once (default 8; continuous
+batching, each answer as if alone), handed to the engine SUBMITTED times as many at a time, so a finished
+answer's place is taken at the next round. On a small CPU machine, split the work
 over processes with one torch thread each (decoding is memory-bound, so two 1-thread processes do almost twice
 the work of one 2-thread process), each appending to its own file:
     python benchmarks/accuracy.py --threads 1 --configs "qwen alone" "smollm2 alone" --jsonl a.jsonl
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -73,6 +75,9 @@ PLAIN_CHAT_STOP = ("\nQuestion:",)
 
 #: Default max_new_tokens per task (the caps of the study: gsm8k 1024, CoT on bbh / arc / mmlu-redux 512).
 MAX_NEW_TOKENS: dict[str, int] = {"gsm8k": 1024, "arc": 512, "bbh": 512, "mmlu-redux": 512, "math500": 1024}
+
+#: Ensemble rows hand the engine this many times --ensemble-batch problems at once (see config_factories).
+SUBMITTED = 4
 
 #: BBH subtasks of the study: short answers (True/False, Yes/No, a count) that tiny models can attempt.
 BBH_SUBTASKS = ("boolean_expressions", "navigate", "object_counting", "sports_understanding", "web_of_lies")
@@ -113,18 +118,22 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
     kw: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
     qwen, smol, gemma = (partial(member, name) for name in ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"))
 
-    def pair() -> Ensemble:
-        return Ensemble([qwen(), smol()])
+    def ensemble(*members: Callable[[], Member], drafter: int = 0) -> Callable[[], Ensemble]:
+        return lambda: Ensemble([m() for m in members], drafter=drafter, max_batch_size=args.ensemble_batch)
+
+    pair = ensemble(qwen, smol)
 
     def single(m: Callable[[], Member], stop: tuple[str, ...] = ()) -> Callable[[], ConfigFn]:
         return lambda: make_batched_single_config(m(), problems, batch_size=args.batch, stop=stop, **kw)
 
     def ens(members: Callable[[], Ensemble], **settings: Any) -> Callable[[], ConfigFn]:
-        batch = {"problems": problems, "batch_size": args.ensemble_batch}
+        # SUBMITTED x the live batch at a time: a finished answer's place is taken by a waiting problem at the
+        # next round (continuous batching) instead of the batch waiting for its longest answer
+        batch = {"problems": problems, "batch_size": args.ensemble_batch * SUBMITTED}
         return lambda: make_ensemble_config(members(), **settings, **batch, **kw)
 
     def three(drafter: int = 0) -> Callable[[], Ensemble]:
-        return lambda: Ensemble([qwen(), smol(), gemma()], drafter=drafter)
+        return ensemble(qwen, smol, gemma, drafter=drafter)
 
     sampling = {
         f"UniTE+SAFE sampling (seed {seed})": ens(pair, method="safe", do_sample=True, temperature=0.7, seed=seed)
@@ -141,7 +150,7 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
         "UniTE+SAFE boundary gate only": ens(pair, method="safe", gates=("boundary",)),
         "UniTE+SAFE consensus gate only": ens(pair, method="safe", gates=("consensus",)),
         **sampling,
-        "UniTE+SAFE, smollm2 drafts": ens(lambda: Ensemble([qwen(), smol()], drafter=1), method="safe"),
+        "UniTE+SAFE, smollm2 drafts": ens(ensemble(qwen, smol, drafter=1), method="safe"),
         "gemma alone": single(gemma, PLAIN_CHAT_STOP),
         "UniTE+SAFE (3 models)": ens(three(), method="safe"),
         "UniTE+SAFE (3 models), smollm2 drafts": ens(three(1), method="safe"),
@@ -192,6 +201,10 @@ def write_timings(out: Path) -> Path:
     return path
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", default="gsm8k", help="gsm8k, arc, bbh, mmlu-redux or math500")
@@ -203,7 +216,7 @@ def main() -> None:
     p.add_argument("--three", action="store_true", help="without --configs: also run the gemma-3-270m rows")
     p.add_argument("--configs", nargs="+", help="subset of configuration names to run")
     p.add_argument("--batch", type=int, default=16, help="problems per generate call for single-model rows")
-    p.add_argument("--ensemble-batch", type=int, default=8, help="problems decoded together by ensemble rows")
+    p.add_argument("--ensemble-batch", type=int, default=8, help="problems decoded at once by ensemble rows")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     p.add_argument("--out", default="benchmarks/results", help="folder of the report (and default JSONL)")
     p.add_argument("--jsonl", nargs="+", help="results file(s) (default OUT/TASK.jsonl); runs append to the first")
@@ -234,6 +247,10 @@ def main() -> None:
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; choose from {list(factories)}")
 
+    # `kill` stops a run as Ctrl-C does (the records so far and the run's times are kept); a shell ignores
+    # SIGINT for background jobs, so SIGINT reaches a run started with `&` only if it listens itself
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     wall0, started = time.perf_counter(), datetime.now(UTC).isoformat(timespec="seconds")
     status = "interrupted"
     try:

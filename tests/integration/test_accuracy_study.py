@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,26 @@ def test_every_row_of_the_study_runs_resumes_and_is_summarised(tmp_path: Path) -
     compared = {(c["row"], c["other"]) for c in summary["comparisons"]}
     assert ("UniTE+SAFE", "UniTE every token") in compared and ("GaC+SAFE", "GaC every token") in compared
     assert (tmp_path / "study.png").stat().st_size > 0 and "McNemar" in (tmp_path / "summary.md").read_text()
+
+
+def test_kill_stops_a_study_run_at_once_and_keeps_its_records_and_times(tmp_path: Path) -> None:
+    """`kill` (SIGTERM) ends a run mid-batch within seconds, as Ctrl-C does: the records written so far stay,
+    the run's wall and CPU time are appended as "interrupted", and rerunning the command resumes."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    args = ["benchmarks/accuracy.py", "--task", "mmlu-redux", "--limit", "3", "--threads", "1", "--out", str(tmp_path)]
+    args += ["--max-new-tokens", "200", "--batch", "1", "--configs", "smollm2 alone", "UniTE+SAFE"]
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    results = tmp_path / "mmlu-redux.jsonl"
+    try:
+        deadline = time.monotonic() + 600
+        while not (results.exists() and results.read_text(encoding="utf-8").strip()):  # one record written
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # now the ensemble row decodes its batch
+        assert proc.wait(timeout=60) != 0
+    finally:
+        proc.kill()
+    (run,) = [json.loads(line) for line in (tmp_path / "timings.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert run["status"] == "interrupted" and run["cpu_s"] > 0
+    kept = results.read_text(encoding="utf-8").splitlines()
+    assert kept and all(json.loads(line)["config"] == "smollm2 alone" for line in kept)
