@@ -31,10 +31,11 @@ make_batched_single_config); ensemble rows decode `--ensemble-batch` problems at
 batching, each answer as if alone), handed to the engine SUBMITTED times as many at a time, so a finished
 answer's place is taken at the next round. On a small CPU machine, split the work
 over processes with one torch thread each (decoding is memory-bound, so two 1-thread processes do almost twice
-the work of one 2-thread process), each appending to its own file:
-    python benchmarks/accuracy.py --threads 1 --configs "qwen alone" "smollm2 alone" --jsonl a.jsonl
-    python benchmarks/accuracy.py --threads 1 --configs UniTE+SAFE --jsonl b.jsonl
-and write the report over all of them with `--report-only --jsonl a.jsonl b.jsonl`.
+the work of one 2-thread process), each appending to its own part file OUT/TASK.NAME.jsonl:
+    python benchmarks/accuracy.py --threads 1 --configs "qwen alone" "smollm2 alone"
+    python benchmarks/accuracy.py --threads 1 --configs UniTE+SAFE --jsonl benchmarks/results/gsm8k.safe.jsonl
+The report (and benchmarks/results/accuracy/summarize.py) reads TASK.jsonl and every part TASK.*.jsonl;
+`--report-only` rewrites it (adding any --jsonl files kept elsewhere).
 """
 
 from __future__ import annotations
@@ -172,6 +173,18 @@ def append_timing(path: Path, entry: dict[str, Any]) -> None:
         fh.write(json.dumps(entry) + "\n")
 
 
+def task_files(out: Path, task: str) -> list[Path]:
+    """A task's results: OUT/TASK.jsonl and the part files OUT/TASK.*.jsonl other processes appended to."""
+    return [out / f"{task}.jsonl", *sorted(out.glob(f"{task}.*.jsonl"))]
+
+
+def report(out: Path, task: str, title: str, extra: list[Path]) -> None:
+    """OUT/TASK/results.{md,json,png} over all of a task's files (and ``extra`` ones), and OUT/timings.json."""
+    files = dict.fromkeys(p.resolve() for p in [*task_files(out, task), *extra])
+    write_report([r for f in files for r in load_records(f)], out / task, title=title)
+    write_timings(out)
+
+
 def write_timings(out: Path) -> Path:
     """OUT/timings.json: per task, the summed wall and CPU time of its runs (OUT/timings.jsonl, one line per
     invocation, model loading included) and of each row (its records' wall_time_s / cpu_time_s in
@@ -181,8 +194,7 @@ def write_timings(out: Path) -> Path:
     for task in sorted({str(r["task"]) for r in runs}):
         mine = [r for r in runs if r["task"] == task]
         rows: dict[str, dict[str, float]] = {}
-        parts = [out / f"{task}.jsonl", *sorted(out.glob(f"{task}.*.jsonl"))]  # other processes' files too
-        for rec in (r for part in parts for r in load_records(part)):
+        for rec in (r for part in task_files(out, task) for r in load_records(part)):
             row = rows.setdefault(str(rec["config"]), {"n": 0, "wall_s": 0.0, "cpu_s": 0.0})
             row["n"] += 1
             row["wall_s"] += float(rec.get("wall_time_s") or 0.0)
@@ -229,13 +241,7 @@ def main() -> None:
     files = [Path(f) for f in args.jsonl] if args.jsonl else [out / f"{args.task}.jsonl"]
     title = describe(args.task, args.limit, subtasks)
     if args.report_only:
-        merged = out / f"{args.task}.jsonl"
-        records = [r for f in files for r in load_records(f)]
-        if files != [merged]:
-            merged.parent.mkdir(parents=True, exist_ok=True)
-            merged.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-        write_report(merged, out / args.task, title=title)
-        write_timings(out)
+        report(out, args.task, title, files)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -278,9 +284,7 @@ def main() -> None:
                 "argv": sys.argv[1:],
             },
         )
-    if not args.jsonl:
-        write_report(files[0], out / args.task, title=title)
-    write_timings(out)
+    report(out, args.task, title, files)
 
 
 if __name__ == "__main__":

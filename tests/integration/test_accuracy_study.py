@@ -59,9 +59,17 @@ def test_every_row_of_the_study_runs_resumes_and_is_summarised(tmp_path: Path) -
     for row, name in drafters.items():
         assert next(iter(by[row, first]["forward_passes"])) == name  # the drafter's passes come first
 
+    lines = (tmp_path / "mmlu-redux.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
     size = (tmp_path / "mmlu-redux.jsonl").stat().st_size
     study(tmp_path, *base, "--configs", "qwen alone", "UniTE+SAFE")  # resume: nothing left to run
     assert (tmp_path / "mmlu-redux.jsonl").stat().st_size == size
+
+    part = tmp_path / "mmlu-redux.gac.jsonl"  # a second process's part file counts in the report too
+    gac = [line for line in lines if '"config": "GaC+SAFE"' in line]
+    part.write_text("".join(gac), encoding="utf-8")
+    (tmp_path / "mmlu-redux.jsonl").write_text("".join(x for x in lines if x not in gac), encoding="utf-8")
+    study(tmp_path, *base, "--report-only")
+    assert "| GaC+SAFE" in (tmp_path / "mmlu-redux" / "results.md").read_text(encoding="utf-8")
 
     study(tmp_path, "benchmarks/results/accuracy/summarize.py", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["mmlu-redux"]

@@ -30,7 +30,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[2] / "benchmarks"))
 
-from accuracy import write_timings  # noqa: E402
+from accuracy import task_files, write_timings  # noqa: E402
 
 from safe_engine.eval import bootstrap_difference, bootstrap_interval, load_records, mcnemar  # noqa: E402
 
@@ -47,7 +47,7 @@ BASELINE = {
 def task_records(folder: Path, task: str) -> dict[str, dict[str, dict[str, Any]]]:
     """row -> problem id -> record, over TASK.jsonl and TASK.*.jsonl."""
     rows: dict[str, dict[str, dict[str, Any]]] = {}
-    for path in [folder / f"{task}.jsonl", *sorted(folder.glob(f"{task}.*.jsonl"))]:
+    for path in task_files(folder, task):
         for r in load_records(path):
             rows.setdefault(str(r["config"]), {})[str(r["problem_id"])] = r
     return rows
