@@ -7,7 +7,8 @@ Reads every task's records (TASK.jsonl and the parts TASK.*.jsonl that other pro
 
 - the members alone, each on all the problems it answered (the cheap rows run first, on more problems);
 - the study table on the problems *every* row of the task answered (so rows are paired): accuracy with a
-  95 % percentile bootstrap interval, answers cut at the budget, no extractable answer, E/T, replaced
+  95 % percentile bootstrap interval, answers cut at the budget (and how many of those loop, see `loops`),
+  no extractable answer, E/T, replaced
   drafter tokens per 100 generated tokens, tokens/s (all rows are batched: a batch's throughput, marked
   with its size), CPU seconds per problem;
 - paired comparisons of each ensemble row with the best member (the best on those same problems, chosen
@@ -70,6 +71,13 @@ def baselines(recs: Sequence[dict[str, Any]], task: str) -> tuple[float | None, 
     return 0.5 * binary / len(recs), hits / len(recs)
 
 
+def loops(text: str) -> bool:
+    """Whether an answer ends in a loop: its last 40 characters occur 3 times or more in its last 1,500 (a
+    greedy small model that repeats itself until the budget; no budget would end such an answer)."""
+    tail = text[-40:]
+    return len(tail) == 40 and text[-1500:].count(tail) >= 3
+
+
 def row_numbers(recs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One row's numbers over the given records."""
     n = len(recs)
@@ -84,18 +92,23 @@ def row_numbers(recs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "accuracy": sum(correct) / n,
         "ci95": [lo, hi],
         "cut": sum(1 for r in recs if r.get("finish_reason") == "length") / n,
+        "cut_looping": sum(1 for r in recs if r.get("finish_reason") == "length" and loops(str(r["text"]))) / n,
         "no_answer": sum(1 for r in recs if r.get("prediction") is None) / n,
         "tokens": tokens,
         "ensemble_rate": sum(int(r.get("ensembled_tokens") or 0) for r in recs) / tokens if tokens else 0.0,
         "replaced_per_100_tokens": 100 * sum(replaced) / tokens if replaced and tokens else None,
         "tokens_per_s": tokens / wall if wall else None,
-        "batch": max(int(r.get("batch_size") or 1) for r in recs),
         "cpu_s_per_problem": sum(cpu) / len(cpu) if len(cpu) == n else None,
     }
 
 
 def fmt(x: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
     return "–" if x is None else format(x * scale, spec)
+
+
+def cut(x: dict[str, Any]) -> str:
+    """Answers cut at the budget, and those of them that loop, in percent of the row's answers."""
+    return f"{fmt(x['cut'], '.0f', 100)}, {fmt(x['cut_looping'], '.0f', 100)}"
 
 
 def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
@@ -110,7 +123,7 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     lines += [
         "Members alone, each on every problem it answered:",
         "",
-        "| Member | n | Accuracy (%) | 95 % CI | Cut (%) | No answer (%) |",
+        "| Member | n | Accuracy (%) | 95 % CI | Cut (%), looping | No answer (%) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for m in members:
@@ -118,7 +131,7 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
         out["members"][m] = x
         lines.append(
             f"| {m} | {x['n']} | {fmt(x['accuracy'], '.1f', 100)} | {fmt(x['ci95'][0], '.0f', 100)}–"
-            f"{fmt(x['ci95'][1], '.0f', 100)} | {fmt(x['cut'], '.0f', 100)} | {fmt(x['no_answer'], '.0f', 100)} |"
+            f"{fmt(x['ci95'][1], '.0f', 100)} | {cut(x)} | {fmt(x['no_answer'], '.0f', 100)} |"
         )
     common = sorted(set.intersection(*(set(v) for v in rows.values())))
     out["common_problems"] = len(common)
@@ -131,8 +144,8 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
         f"All rows on the {len(common)} problems every row answered (chance {fmt(chance, '.1f', 100)} %, "
         f"majority class {fmt(majority, '.1f', 100)} %):",
         "",
-        "| Row | n | Accuracy (%) | 95 % CI | Cut (%) | No answer (%) | E/T (%) | Replaced / 100 tok | "
-        "Tokens/s (batch) | CPU s / problem |",
+        "| Row | n | Accuracy (%) | 95 % CI | Cut (%), looping | No answer (%) | E/T (%) | Replaced / 100 tok | "
+        "Tokens/s (batched) | CPU s / problem |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     outcome: dict[str, list[bool]] = {}
@@ -143,9 +156,9 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
         out["rows"][row] = x
         lines.append(
             f"| {row} | {x['n']} | {fmt(x['accuracy'], '.1f', 100)} | {fmt(x['ci95'][0], '.0f', 100)}–"
-            f"{fmt(x['ci95'][1], '.0f', 100)} | {fmt(x['cut'], '.0f', 100)} | {fmt(x['no_answer'], '.0f', 100)} | "
+            f"{fmt(x['ci95'][1], '.0f', 100)} | {cut(x)} | {fmt(x['no_answer'], '.0f', 100)} | "
             f"{fmt(x['ensemble_rate'], '.1f', 100)} | {fmt(x['replaced_per_100_tokens'])} | "
-            f"{fmt(x['tokens_per_s'])} (×{x['batch']}) | {fmt(x['cpu_s_per_problem'])} |"
+            f"{fmt(x['tokens_per_s'])} | {fmt(x['cpu_s_per_problem'])} |"
         )
     best = max(members, key=lambda m: sum(outcome[m])) if members else None
     lines += [
@@ -220,8 +233,10 @@ def main(folder: Path = HERE) -> None:
         "",
         "Written by `python benchmarks/results/accuracy/summarize.py` from the JSONL files here; commands, "
         "problems and budgets in README.md. Greedy decoding; all rows batched (tokens/s is a batch's "
-        "throughput: members ×16 through transformers `generate`, ensembles ×8 through the engine's "
-        "continuous batching; one-at-a-time speed is in benchmarks/results/speed.md).",
+        "throughput shared over its problems: members 16 per transformers `generate` call, ensembles 8 at once "
+        "through the engine's continuous batching (the first mmlu-redux ensemble problems in batches of 8 that "
+        "waited for their longest answer, the rest handed over 32 at a time); one-at-a-time speed is in "
+        "benchmarks/results/speed.md).",
         "",
     ]
     numbers: dict[str, Any] = {}
