@@ -139,6 +139,7 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
         return [*lines, ""], out
 
     chance, majority = baselines([rows[members[0]][p] for p in common] if members else [], task)
+    out["chance"] = chance
     lines += [
         "",
         f"All rows on the {len(common)} problems every row answered (chance {fmt(chance, '.1f', 100)} %, "
@@ -214,13 +215,15 @@ def plot(numbers: dict[str, Any], path: Path) -> None:
             et, acc = 100 * x["ensemble_rate"], 100 * x["accuracy"]
             err = [[acc - 100 * x["ci95"][0]], [100 * x["ci95"][1] - acc]]
             marker = "s" if row in MEMBERS else ("o" if "SAFE" in row else "^")
-            ax.errorbar([et], [acc], yerr=err, fmt=marker, capsize=3)
-            ax.annotate(row, (et, acc), textcoords="offset points", xytext=(6, 4), fontsize=7)
+            ax.errorbar([et], [acc], yerr=err, fmt=marker, capsize=3, label=f"{row} ({acc:.1f} %)")
+        if numbers[task].get("chance") is not None:
+            ax.axhline(100 * numbers[task]["chance"], color="grey", linestyle=":", label="chance")
         ax.set_title(f"{task} (n = {numbers[task]['common_problems']})")
         ax.set_xlabel("E/T: ensembled / generated tokens (%)")
         ax.set_ylabel("accuracy (%), 95 % bootstrap interval")
         ax.grid(True, alpha=0.3)
-        ax.margins(0.2)
+        ax.margins(0.1)
+        ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path)
 
