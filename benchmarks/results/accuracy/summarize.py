@@ -9,8 +9,8 @@ Reads every task's records (TASK.jsonl and the parts TASK.*.jsonl that other pro
 - the study table on the problems *every* row of the task answered (so rows are paired): accuracy with a
   95 % percentile bootstrap interval, answers cut at the budget (and how many of those loop, see `loops`),
   no extractable answer, E/T, replaced
-  drafter tokens per 100 generated tokens, tokens/s (all rows are batched: a batch's throughput, marked
-  with its size), CPU seconds per problem;
+  drafter tokens per 100 generated tokens, tokens/s (all rows are batched: a batch's throughput shared
+  over its problems), CPU seconds per problem;
 - paired comparisons of each ensemble row with the best member (the best on those same problems, chosen
   after the fact) and with every-token ensembling of its aggregation: difference with a paired bootstrap
   interval, the discordant problems, McNemar's exact p;
@@ -37,12 +37,13 @@ from safe_engine.eval import bootstrap_difference, bootstrap_interval, load_reco
 
 TASKS = ("mmlu-redux", "arc", "gsm8k", "bbh")
 MEMBERS = ("qwen alone", "smollm2 alone", "gemma alone")
-#: The every-token baseline each SAFE row is compared with (its own aggregation, the same members).
-BASELINE = {
-    "UniTE+SAFE": "UniTE every token",
-    "GaC+SAFE": "GaC every token",
-    "UniTE+SAFE sampling": "UniTE every token",
-}
+
+
+def baseline(row: str) -> str | None:
+    """The every-token row a SAFE row is compared with: its own aggregation over the same two members."""
+    if "SAFE" not in row or "3 models" in row:
+        return None
+    return "GaC every token" if row.startswith("GaC") else "UniTE every token"
 
 
 def task_records(folder: Path, task: str) -> dict[str, dict[str, dict[str, Any]]]:
@@ -171,7 +172,7 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
         "|---|---|---:|---:|---:|---:|",
     ]
     for row in ensembles:
-        for other in (best, BASELINE.get(row)):
+        for other in (best, baseline(row)):
             if other is None or other not in outcome or other == row:
                 continue
             lo, hi = bootstrap_difference(outcome[row], outcome[other])
