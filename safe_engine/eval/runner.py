@@ -319,14 +319,20 @@ def make_ensemble_config(
             return answers.pop(problem.id)
         call, kwargs = request(problem)
         start, cpu_start = time.perf_counter(), time.process_time()
-        # positional text (the contract does not name the parameter) or messages= for chat
-        args: tuple[Any, ...] = (call.pop("prompt"),) if "prompt" in call else ()
+        args, call = _prompt_args(call)
         result = ensemble.generate(*args, **call, **kwargs)
         return record(result, kwargs, time.perf_counter() - start, time.process_time() - cpu_start, 1)
 
     run.settings = settings  # type: ignore[attr-defined]
     run.__name__ = f"ensemble_{method}_{aggregation}"
     return run
+
+
+def _prompt_args(call: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A request as (positional args, keywords): the prompt text goes positionally (the contract does not
+    name that parameter), chat messages as ``messages=``."""
+    call = dict(call)
+    return ((call.pop("prompt"),) if "prompt" in call else ()), call
 
 
 def _decode_together(ensemble: Any, requests: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[Any]:
@@ -336,8 +342,7 @@ def _decode_together(ensemble: Any, requests: list[tuple[dict[str, Any], dict[st
     streams = []
     try:
         for call, kwargs in requests:
-            call = dict(call)
-            args: tuple[Any, ...] = (call.pop("prompt"),) if "prompt" in call else ()
+            args, call = _prompt_args(call)
             streams.append(ensemble.stream(*args, **call, **kwargs))
         for stream in streams:
             for _ in stream:
