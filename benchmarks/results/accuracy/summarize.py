@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE.parents[2] / "benchmarks"))
 
 from accuracy import task_files, write_timings  # noqa: E402
 
-from safe_engine.eval import bootstrap_difference, bootstrap_interval, load_records, mcnemar  # noqa: E402
+from safe_engine.eval import aggregate, bootstrap_difference, bootstrap_interval, load_records, mcnemar  # noqa: E402
 
 TASKS = ("mmlu-redux", "arc", "gsm8k", "bbh")
 MEMBERS = ("qwen alone", "smollm2 alone", "gemma alone")
@@ -80,26 +80,24 @@ def loops(text: str) -> bool:
 
 
 def row_numbers(recs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """One row's numbers over the given records."""
-    n = len(recs)
+    """One row's numbers over the given records: the eval report's aggregates plus what the study adds
+    (interval, looping, no answer, replacements, CPU time)."""
+    (row,) = aggregate(recs)
     correct = [bool(r["correct"]) for r in recs]
-    lo, hi = bootstrap_interval(correct)
-    tokens = sum(int(r.get("tokens") or 0) for r in recs)
-    wall = sum(float(r.get("wall_time_s") or 0) for r in recs)
     cpu = [float(r["cpu_time_s"]) for r in recs if r.get("cpu_time_s") is not None]
     replaced = [int(r["replaced_tokens"]) for r in recs if r.get("replaced_tokens") is not None]
     return {
-        "n": n,
-        "accuracy": sum(correct) / n,
-        "ci95": [lo, hi],
-        "cut": sum(1 for r in recs if r.get("finish_reason") == "length") / n,
-        "cut_looping": sum(1 for r in recs if r.get("finish_reason") == "length" and loops(str(r["text"]))) / n,
-        "no_answer": sum(1 for r in recs if r.get("prediction") is None) / n,
-        "tokens": tokens,
-        "ensemble_rate": sum(int(r.get("ensembled_tokens") or 0) for r in recs) / tokens if tokens else 0.0,
-        "replaced_per_100_tokens": 100 * sum(replaced) / tokens if replaced and tokens else None,
-        "tokens_per_s": tokens / wall if wall else None,
-        "cpu_s_per_problem": sum(cpu) / len(cpu) if len(cpu) == n else None,
+        "n": row.n,
+        "accuracy": row.accuracy,
+        "ci95": list(bootstrap_interval(correct)),
+        "cut": row.truncated / row.n,
+        "cut_looping": sum(1 for r in recs if r.get("finish_reason") == "length" and loops(str(r["text"]))) / row.n,
+        "no_answer": sum(1 for r in recs if r.get("prediction") is None) / row.n,
+        "tokens": row.tokens,
+        "ensemble_rate": row.ensemble_rate or 0.0,
+        "replaced_per_100_tokens": 100 * sum(replaced) / row.tokens if replaced and row.tokens else None,
+        "tokens_per_s": row.tokens_per_s,
+        "cpu_s_per_problem": sum(cpu) / len(cpu) if len(cpu) == row.n else None,
     }
 
 

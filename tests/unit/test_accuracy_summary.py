@@ -1,0 +1,87 @@
+"""The accuracy study's summary pairs its rows on the problems every row answered, picks the best member on
+those problems, and counts cut and looping answers (synthetic records: the numbers are known in advance)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def summarize() -> Any:
+    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks/results/accuracy/summarize.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def record(config: str, problem: int, correct: bool, **extra: Any) -> dict[str, Any]:
+    reference = "ABCD"[problem % 4]
+    return {
+        "config": config,
+        "problem_id": f"p{problem}",
+        "task": "mmlu-redux",
+        "reference": reference,
+        "prediction": reference if correct else "A" if reference != "A" else "B",
+        "correct": correct,
+        "tokens": 100,
+        "ensembled_tokens": 0,
+        "wall_time_s": 2.0,
+        "cpu_time_s": 1.5,
+        "finish_reason": "stop",
+        "max_new_tokens": 512,
+        "text": "The answer is",
+    } | extra
+
+
+def write(folder: Path, name: str, records: list[dict[str, Any]]) -> None:
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+def test_the_study_table_pairs_rows_on_common_problems_and_compares_with_the_best_member(
+    tmp_path: Path, summarize: Any
+) -> None:
+    loop = "x" + "the same sentence again and again, " * 60
+    write(tmp_path, "mmlu-redux.jsonl", [record("qwen alone", p, p < 10) for p in range(20)])
+    write(tmp_path, "mmlu-redux.members.jsonl", [record("smollm2 alone", p, p < 12) for p in range(25)])
+    every = [
+        record("UniTE every token", p, p < 5, ensembled_tokens=100, replaced_tokens=0)
+        | ({"finish_reason": "length", "text": loop if p < 17 else "cut mid-way"} if p >= 15 else {})
+        for p in range(20)
+    ]
+    safe = [record("UniTE+SAFE", p, p < 14 or p == 20, ensembled_tokens=13, replaced_tokens=4) for p in range(21)]
+    write(tmp_path, "mmlu-redux.ensembles.jsonl", every + safe)
+
+    lines, numbers = summarize.study(tmp_path, "mmlu-redux")
+
+    assert numbers["common_problems"] == 20  # p20 (SAFE only) and p20-24 (SmolLM2 only) are left out of pairs
+    assert numbers["members"]["smollm2 alone"]["n"] == 25  # ... but members count all they answered
+    assert numbers["chance"] == 0.25
+    rows = numbers["rows"]
+    assert rows["qwen alone"]["accuracy"] == 0.5 and rows["smollm2 alone"]["accuracy"] == 0.6
+    assert rows["UniTE+SAFE"]["accuracy"] == 0.7 and rows["UniTE every token"]["accuracy"] == 0.25
+    assert rows["UniTE every token"]["cut"] == 0.25 and rows["UniTE every token"]["cut_looping"] == 0.1
+    assert rows["UniTE every token"]["ensemble_rate"] == 1.0 and rows["UniTE+SAFE"]["ensemble_rate"] == 0.13
+    assert rows["UniTE+SAFE"]["replaced_per_100_tokens"] == 4.0 and rows["qwen alone"]["tokens_per_s"] == 50.0
+    lo, hi = rows["UniTE+SAFE"]["ci95"]
+    assert lo < 0.7 < hi
+
+    compared = {(c["row"], c["other"]): c for c in numbers["comparisons"]}
+    assert set(compared) == {
+        ("UniTE every token", "smollm2 alone"),
+        ("UniTE+SAFE", "smollm2 alone"),
+        ("UniTE+SAFE", "UniTE every token"),
+    }
+    vs_best = compared["UniTE+SAFE", "smollm2 alone"]
+    assert (vs_best["only_row"], vs_best["only_other"]) == (2, 0)
+    assert vs_best["delta"] == pytest.approx(0.1) and vs_best["p_value"] == 0.5  # 2 discordant: within noise
+    vs_every = compared["UniTE+SAFE", "UniTE every token"]
+    assert (vs_every["only_row"], vs_every["only_other"]) == (9, 0) and vs_every["p_value"] < 0.01
+    assert any("smollm2 alone (best member)" in line for line in lines)
