@@ -73,9 +73,13 @@ def test_every_row_of_the_study_runs_resumes_and_is_summarised(tmp_path: Path) -
 
     study(tmp_path, "benchmarks/results/accuracy/summarize.py", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["mmlu-redux"]
-    assert summary["common_problems"] == 2 and set(summary["rows"]) == set(rows)
-    compared = {(c["row"], c["other"]) for c in summary["comparisons"]}
+    core = {"qwen alone", "smollm2 alone", "gemma alone", "UniTE every token", "UniTE+SAFE", "GaC+SAFE"}
+    core |= {"UniTE+SAFE (3 models)"}
+    assert summary["common_problems"] == 2 and set(summary["rows"]) == core
+    assert summary["extended"]["common_problems"] == 2 and set(summary["extended"]["rows"]) == set(rows)
+    compared = {(c["row"], c["other"]) for c in summary["comparisons"] + summary["extended"]["comparisons"]}
     assert ("UniTE+SAFE", "UniTE every token") in compared and ("GaC+SAFE", "GaC every token") in compared
+    assert ("UniTE+SAFE consensus gate only", "UniTE+SAFE") in compared
     assert (tmp_path / "study.png").stat().st_size > 0 and "McNemar" in (tmp_path / "summary.md").read_text()
 
 

@@ -85,3 +85,29 @@ def test_the_study_table_pairs_rows_on_common_problems_and_compares_with_the_bes
     vs_every = compared["UniTE+SAFE", "UniTE every token"]
     assert (vs_every["only_row"], vs_every["only_other"]) == (9, 0) and vs_every["p_value"] < 0.01
     assert any("smollm2 alone (best member)" in line for line in lines)
+
+
+def test_extended_rows_on_fewer_problems_get_their_own_table_and_leave_the_core_table_whole(
+    tmp_path: Path, summarize: Any
+) -> None:
+    write(
+        tmp_path, "mmlu-redux.jsonl", [record(m, p, p < 10) for m in ("qwen alone", "smollm2 alone") for p in range(20)]
+    )
+    core = [
+        record(row, p, p < 8, ensembled_tokens=10) for row in ("UniTE every token", "UniTE+SAFE") for p in range(20)
+    ]
+    write(tmp_path, "mmlu-redux.ensembles.jsonl", core)
+    gate = [record("UniTE+SAFE boundary gate only", p, p < 2, ensembled_tokens=40) for p in range(12)]
+    write(tmp_path, "mmlu-redux.ablation.jsonl", gate)
+
+    lines, numbers = summarize.study(tmp_path, "mmlu-redux")
+
+    assert numbers["common_problems"] == 20 and "UniTE+SAFE boundary gate only" not in numbers["rows"]
+    extended = numbers["extended"]
+    assert extended["common_problems"] == 12 and extended["rows"]["UniTE+SAFE boundary gate only"]["accuracy"] == 2 / 12
+    assert extended["rows"]["UniTE+SAFE"]["accuracy"] == 8 / 12  # the core rows again, on the 12 shared problems
+    compared = {(c["row"], c["other"]): c for c in extended["comparisons"]}
+    vs_full = compared["UniTE+SAFE boundary gate only", "UniTE+SAFE"]  # the ablation against both gates
+    assert vs_full["delta"] == pytest.approx(-0.5) and (vs_full["only_row"], vs_full["only_other"]) == (0, 6)
+    assert ("UniTE+SAFE boundary gate only", "UniTE every token") in compared
+    assert any(line.startswith("The extended rows") for line in lines)

@@ -6,14 +6,17 @@ Reads every task's records (TASK.jsonl and the parts TASK.*.jsonl that other pro
 (row, problem) pair recorded twice keeps its last record). Per task:
 
 - the members alone, each on all the problems it answered (the cheap rows run first, on more problems);
-- the study table on the problems *every* row of the task answered (so rows are paired): accuracy with a
-  95 % percentile bootstrap interval, answers cut at the budget (and how many of those loop, see `loops`),
-  no extractable answer, E/T, replaced
-  drafter tokens per 100 generated tokens, tokens/s (all rows are batched: a batch's throughput shared
-  over its problems), CPU seconds per problem;
+- the study table of the members and the core rows (`CORE`) on the problems every one of them answered (so
+  rows are paired): accuracy with a 95 % percentile bootstrap interval, answers cut at the budget (and how
+  many of those loop, see `loops`), no extractable answer, E/T, replaced drafter tokens per 100 generated
+  tokens, tokens/s (all rows are batched: a batch's throughput shared over its problems), CPU seconds per
+  problem;
 - paired comparisons of each ensemble row with the best member (the best on those same problems, chosen
   after the fact) and with every-token ensembling of its aggregation: difference with a paired bootstrap
   interval, the discordant problems, McNemar's exact p;
+- where a task has extended rows (a gate alone, sampling, other drafters; run on fewer problems), the same
+  table and comparisons over all rows on the problems all of them answered, each extended row also
+  compared with the full method it varies;
 - BBH per subtask.
 
 study.png: accuracy (with the bootstrap interval) against E/T, one panel per task, one point per row.
@@ -37,6 +40,7 @@ from safe_engine.eval import aggregate, bootstrap_difference, bootstrap_interval
 
 TASKS = ("mmlu-redux", "arc", "gsm8k", "bbh")
 MEMBERS = ("qwen alone", "smollm2 alone", "gemma alone")
+CORE = ("UniTE every token", "UniTE+SAFE", "GaC+SAFE", "UniTE+SAFE (3 models)")  # the rows of every chosen task
 
 
 def baseline(row: str) -> str | None:
@@ -110,38 +114,26 @@ def cut(x: dict[str, Any]) -> str:
     return f"{fmt(x['cut'], '.0f', 100)}, {fmt(x['cut_looping'], '.0f', 100)}"
 
 
-def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
-    """The Markdown lines and the numbers of one task."""
-    rows = task_records(folder, task)
-    members = [m for m in MEMBERS if m in rows]
-    ensembles = [r for r in rows if r not in MEMBERS]
-    budget = max(int(r.get("max_new_tokens") or 0) for recs in rows.values() for r in recs.values())
-    lines = [f"## {task} (max_new_tokens {budget})", ""]
-    out: dict[str, Any] = {"max_new_tokens": budget, "members": {}, "rows": {}, "comparisons": []}
+def full_method(row: str) -> str | None:
+    """The row an extended SAFE row varies (a gate left out, sampling, another drafter): SAFE with both gates,
+    greedy, Qwen drafting, over the same members."""
+    if row in CORE or "SAFE" not in row:
+        return None
+    return "UniTE+SAFE (3 models)" if "3 models" in row else "UniTE+SAFE"
 
-    lines += [
-        "Members alone, each on every problem it answered:",
-        "",
-        "| Member | n | Accuracy (%) | 95 % CI | Cut (%), looping | No answer (%) |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for m in members:
-        x = row_numbers(list(rows[m].values()))
-        out["members"][m] = x
-        lines.append(
-            f"| {m} | {x['n']} | {fmt(x['accuracy'], '.1f', 100)} | {fmt(x['ci95'][0], '.0f', 100)}–"
-            f"{fmt(x['ci95'][1], '.0f', 100)} | {cut(x)} | {fmt(x['no_answer'], '.0f', 100)} |"
-        )
-    common = sorted(set.intersection(*(set(v) for v in rows.values())))
-    out["common_problems"] = len(common)
-    if not ensembles or not common:
-        return [*lines, ""], out
 
-    chance, majority = baselines([rows[members[0]][p] for p in common] if members else [], task)
+def paired(rows: dict[str, dict[str, dict[str, Any]]], names: list[str], task: str) -> tuple[list[str], dict[str, Any]]:
+    """The table of `names` on the problems all of them answered, and each ensemble row compared with the
+    best member on those problems, its every-token baseline and (extended rows) the full method."""
+    common = sorted(set.intersection(*(set(rows[n]) for n in names)))
+    out: dict[str, Any] = {"common_problems": len(common), "rows": {}, "comparisons": []}
+    members = [n for n in names if n in MEMBERS]
+    if not common or len(members) == len(names):
+        return [], out
+    chance, majority = baselines([rows[names[0]][p] for p in common], task)
     out["chance"] = chance
-    lines += [
-        "",
-        f"All rows on the {len(common)} problems every row answered (chance {fmt(chance, '.1f', 100)} %, "
+    lines = [
+        f"on the {len(common)} problems every one of them answered (chance {fmt(chance, '.1f', 100)} %, "
         f"majority class {fmt(majority, '.1f', 100)} %):",
         "",
         "| Row | n | Accuracy (%) | 95 % CI | Cut (%), looping | No answer (%) | E/T (%) | Replaced / 100 tok | "
@@ -149,7 +141,7 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     outcome: dict[str, list[bool]] = {}
-    for row in members + ensembles:
+    for row in names:
         recs = [rows[row][p] for p in common]
         outcome[row] = [bool(r["correct"]) for r in recs]
         x = row_numbers(recs)
@@ -169,8 +161,10 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
         "| Row | vs | Δ (points) | 95 % CI | only row / only other | McNemar p |",
         "|---|---|---:|---:|---:|---:|",
     ]
-    for row in ensembles:
-        for other in (best, baseline(row)):
+    for row in names:
+        if row in MEMBERS:
+            continue
+        for other in (best, baseline(row), full_method(row)):
             if other is None or other not in outcome or other == row:
                 continue
             lo, hi = bootstrap_difference(outcome[row], outcome[other])
@@ -186,15 +180,50 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
                 f"{test.only_a} / {test.only_b} | {test.p_value:.3f} |"
             )
     if task == "bbh":
-        subtasks = sorted({str(rows[members[0]][p]["subtask"]) for p in common})
+        subtasks = sorted({str(rows[names[0]][p]["subtask"]) for p in common})
         lines += ["", "BBH accuracy (%) per subtask, same problems:", ""]
         lines += ["| Row | " + " | ".join(subtasks) + " |", "|---|" + "---:|" * len(subtasks)]
-        for row in members + ensembles:
+        for row in names:
             cells = []
             for sub in subtasks:
                 mine = [rows[row][p]["correct"] for p in common if rows[row][p]["subtask"] == sub]
                 cells.append(f"{100 * sum(mine) / len(mine):.0f}" if mine else "–")
             lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return lines, out
+
+
+def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
+    """The Markdown lines and the numbers of one task: the members alone; the core rows paired on their
+    common problems; the extended rows (run on fewer problems) paired with the core rows on theirs."""
+    rows = task_records(folder, task)
+    members = [m for m in MEMBERS if m in rows]
+    core = members + [r for r in CORE if r in rows]
+    extended = [r for r in rows if r not in core]
+    budget = max(int(r.get("max_new_tokens") or 0) for recs in rows.values() for r in recs.values())
+    lines = [f"## {task} (max_new_tokens {budget})", ""]
+    out: dict[str, Any] = {"max_new_tokens": budget, "members": {}}
+
+    lines += [
+        "Members alone, each on every problem it answered:",
+        "",
+        "| Member | n | Accuracy (%) | 95 % CI | Cut (%), looping | No answer (%) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for m in members:
+        x = row_numbers(list(rows[m].values()))
+        out["members"][m] = x
+        lines.append(
+            f"| {m} | {x['n']} | {fmt(x['accuracy'], '.1f', 100)} | {fmt(x['ci95'][0], '.0f', 100)}–"
+            f"{fmt(x['ci95'][1], '.0f', 100)} | {cut(x)} | {fmt(x['no_answer'], '.0f', 100)} |"
+        )
+    table, numbers = paired(rows, core, task)
+    out |= numbers
+    if table:
+        lines += ["", "The members and the core rows " + table[0], *table[1:]]
+    if extended:
+        table, out["extended"] = paired(rows, core + extended, task)
+        if table:
+            lines += ["", "The extended rows, with the members and the core rows " + table[0], *table[1:]]
     return [*lines, ""], out
 
 
