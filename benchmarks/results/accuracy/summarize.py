@@ -228,22 +228,30 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
 
 
 def plot(numbers: dict[str, Any], path: Path) -> None:
-    """Accuracy against E/T per task, the bootstrap intervals as error bars; members sit at E/T 0."""
+    """Accuracy against E/T per task, the bootstrap intervals as error bars; members sit at E/T 0, extended
+    rows (on fewer problems, so not strictly comparable) are hollow."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     tasks = [t for t in TASKS if numbers.get(t, {}).get("rows")]
     if not tasks:
         return
-    fig = Figure(figsize=(5.2 * len(tasks), 4.6), dpi=120)
+    fig = Figure(figsize=(6.4 * len(tasks), 6.2), dpi=120)
     FigureCanvasAgg(fig)
     for i, task in enumerate(tasks, 1):
         ax = fig.add_subplot(1, len(tasks), i)
-        for row, x in numbers[task]["rows"].items():
+        core = numbers[task]["rows"]
+        extended = numbers[task].get("extended", {})
+        points = [(row, x, "") for row, x in core.items()]
+        points += [
+            (r, x, f", n = {extended['common_problems']}") for r, x in extended.get("rows", {}).items() if r not in core
+        ]
+        for row, x, fewer in points:  # extended rows (fewer problems) hollow
             et, acc = 100 * x["ensemble_rate"], 100 * x["accuracy"]
             err = [[acc - 100 * x["ci95"][0]], [100 * x["ci95"][1] - acc]]
             marker = "s" if row in MEMBERS else ("o" if "SAFE" in row else "^")
-            ax.errorbar([et], [acc], yerr=err, fmt=marker, capsize=3, label=f"{row} ({acc:.1f} %)")
+            style = {"markerfacecolor": "none"} if fewer else {}
+            ax.errorbar([et], [acc], yerr=err, fmt=marker, capsize=3, label=f"{row} ({acc:.1f} %{fewer})", **style)
         if numbers[task].get("chance") is not None:
             ax.axhline(100 * numbers[task]["chance"], color="grey", linestyle=":", label="chance")
         ax.set_title(f"{task} (n = {numbers[task]['common_problems']})")
@@ -251,7 +259,7 @@ def plot(numbers: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("accuracy (%), 95 % bootstrap interval")
         ax.grid(True, alpha=0.3)
         ax.margins(0.1)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below: no point hidden
     fig.tight_layout()
     fig.savefig(path)
 
