@@ -109,9 +109,14 @@ def fmt(x: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
     return "–" if x is None else format(x * scale, spec)
 
 
-def cut(x: dict[str, Any]) -> str:
-    """Answers cut at the budget, and those of them that loop, in percent of the row's answers."""
-    return f"{fmt(x['cut'], '.0f', 100)}, {fmt(x['cut_looping'], '.0f', 100)}"
+def answer_cells(row: str, x: dict[str, Any]) -> str:
+    """The cells both tables share: row, n, accuracy with its interval, answers cut at the budget and those
+    of them that loop, no answer (percent of the row's answers)."""
+    return (
+        f"| {row} | {x['n']} | {fmt(x['accuracy'], '.1f', 100)} | {fmt(x['ci95'][0], '.0f', 100)}–"
+        f"{fmt(x['ci95'][1], '.0f', 100)} | {fmt(x['cut'], '.0f', 100)}, {fmt(x['cut_looping'], '.0f', 100)} | "
+        f"{fmt(x['no_answer'], '.0f', 100)} |"
+    )
 
 
 def full_method(row: str) -> str | None:
@@ -147,9 +152,7 @@ def paired(rows: dict[str, dict[str, dict[str, Any]]], names: list[str], task: s
         x = row_numbers(recs)
         out["rows"][row] = x
         lines.append(
-            f"| {row} | {x['n']} | {fmt(x['accuracy'], '.1f', 100)} | {fmt(x['ci95'][0], '.0f', 100)}–"
-            f"{fmt(x['ci95'][1], '.0f', 100)} | {cut(x)} | {fmt(x['no_answer'], '.0f', 100)} | "
-            f"{fmt(x['ensemble_rate'], '.1f', 100)} | {fmt(x['replaced_per_100_tokens'])} | "
+            f"{answer_cells(row, x)} {fmt(x['ensemble_rate'], '.1f', 100)} | {fmt(x['replaced_per_100_tokens'])} | "
             f"{fmt(x['tokens_per_s'])} | {fmt(x['cpu_s_per_problem'])} |"
         )
     best = max(members, key=lambda m: sum(outcome[m])) if members else None
@@ -212,10 +215,7 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     for m in members:
         x = row_numbers(list(rows[m].values()))
         out["members"][m] = x
-        lines.append(
-            f"| {m} | {x['n']} | {fmt(x['accuracy'], '.1f', 100)} | {fmt(x['ci95'][0], '.0f', 100)}–"
-            f"{fmt(x['ci95'][1], '.0f', 100)} | {cut(x)} | {fmt(x['no_answer'], '.0f', 100)} |"
-        )
+        lines.append(answer_cells(m, x))
     table, numbers = paired(rows, core, task)
     out |= numbers
     if table:
