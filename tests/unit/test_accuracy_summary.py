@@ -111,3 +111,19 @@ def test_extended_rows_on_fewer_problems_get_their_own_table_and_leave_the_core_
     assert vs_full["delta"] == pytest.approx(-0.5) and (vs_full["only_row"], vs_full["only_other"]) == (0, 6)
     assert ("UniTE+SAFE boundary gate only", "UniTE every token") in compared
     assert any(line.startswith("The extended rows") for line in lines)
+
+
+def test_an_extended_row_still_running_is_listed_and_does_not_shrink_the_extended_table(
+    tmp_path: Path, summarize: Any
+) -> None:
+    write(tmp_path, "mmlu-redux.jsonl", [record(m, p, p < 10) for m in ("qwen alone", "UniTE+SAFE") for p in range(20)])
+    gate = [record("UniTE+SAFE boundary gate only", p, p < 2) for p in range(12)]
+    sampling = [record("UniTE+SAFE sampling (seed 0)", p, p < 3) for p in range(5)]
+    write(tmp_path, "mmlu-redux.extended.jsonl", gate + sampling)
+
+    lines, numbers = summarize.study(tmp_path, "mmlu-redux")
+
+    assert numbers["extended"]["common_problems"] == 12
+    assert "UniTE+SAFE sampling (seed 0)" not in numbers["extended"]["rows"]
+    assert numbers["running"] == {"UniTE+SAFE sampling (seed 0)": 5}
+    assert any("UniTE+SAFE sampling (seed 0) (5 of 12 problems)" in line for line in lines)

@@ -16,7 +16,8 @@ Reads every task's records (TASK.jsonl and the parts TASK.*.jsonl that other pro
   interval, the discordant problems, McNemar's exact p;
 - where a task has extended rows (a gate alone, sampling, other drafters; run on fewer problems), the same
   table and comparisons over all rows on the problems all of them answered, each extended row also
-  compared with the full method it varies;
+  compared with the full method it varies; an extended row that has answered fewer problems than the
+  longest one (a run still going) is listed with its count instead, so that it does not shrink that table;
 - BBH per subtask.
 
 study.png: accuracy (with the bootstrap interval) against E/T, one panel per task, one point per row.
@@ -220,10 +221,18 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     out |= numbers
     if table:
         lines += ["", "The members and the core rows " + table[0], *table[1:]]
+    most = max((len(rows[r]) for r in extended), default=0)
+    running = [r for r in extended if len(rows[r]) < most]
+    extended = [r for r in extended if r not in running]
     if extended:
         table, out["extended"] = paired(rows, core + extended, task)
         if table:
             lines += ["", "The extended rows, with the members and the core rows " + table[0], *table[1:]]
+    if running:
+        out["running"] = {r: len(rows[r]) for r in running}
+        counts = ", ".join(f"{r} ({len(rows[r])} of {most} problems)" for r in running)
+        note = f"Extended rows still running, left out of the tables until they reach {most} problems: {counts}."
+        lines += ["", note]
     return [*lines, ""], out
 
 
