@@ -127,3 +127,28 @@ def test_an_extended_row_still_running_is_listed_and_does_not_shrink_the_extende
     assert "UniTE+SAFE sampling (seed 0)" not in numbers["extended"]["rows"]
     assert numbers["running"] == {"UniTE+SAFE sampling (seed 0)": 5}
     assert any("UniTE+SAFE sampling (seed 0) (5 of 12 problems)" in line for line in lines)
+
+
+def test_core_rows_that_have_gone_further_get_a_table_on_their_problems(tmp_path: Path, summarize: Any) -> None:
+    members = [record(m, p, p < 10) for m in ("qwen alone", "smollm2 alone") for p in range(30)]
+    safe = [record("UniTE+SAFE", p, p < 12, ensembled_tokens=10) for p in range(30)]
+    every = [record("UniTE every token", p, p < 2, ensembled_tokens=100) for p in range(8)]
+    write(tmp_path, "gsm8k.jsonl", members + safe + every)
+
+    lines, numbers = summarize.study(tmp_path, "gsm8k")
+
+    assert numbers["common_problems"] == 8 and "UniTE every token" in numbers["rows"]
+    ahead = numbers["core_ahead"]
+    assert ahead["common_problems"] == 30 and set(ahead["rows"]) == {"qwen alone", "smollm2 alone", "UniTE+SAFE"}
+    vs_best = next(c for c in ahead["comparisons"] if c["row"] == "UniTE+SAFE")
+    assert vs_best["other"] == "qwen alone" and vs_best["delta"] == pytest.approx(2 / 30)
+    assert any(line.startswith("While the other core rows run, the members and UniTE+SAFE on the 30") for line in lines)
+
+
+def test_core_rows_level_with_each_other_get_no_second_table(tmp_path: Path, summarize: Any) -> None:
+    rows = [record(m, p, p < 5) for m in ("qwen alone", "UniTE+SAFE", "UniTE every token") for p in range(10)]
+    write(tmp_path, "gsm8k.jsonl", rows)
+
+    lines, numbers = summarize.study(tmp_path, "gsm8k")
+
+    assert "core_ahead" not in numbers and not any(line.startswith("While") for line in lines)

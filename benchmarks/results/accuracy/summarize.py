@@ -14,6 +14,8 @@ Reads every task's records (TASK.jsonl and the parts TASK.*.jsonl that other pro
 - paired comparisons of each ensemble row with the best member (the best on those same problems, chosen
   after the fact) and with every-token ensembling of its aggregation: difference with a paired bootstrap
   interval, the discordant problems, McNemar's exact p;
+- while some core rows have answered fewer problems than others (runs still going), the same table and
+  comparisons again for the members and the core rows that have gone furthest, on their problems;
 - where a task has extended rows (a gate alone, sampling, other drafters; run on fewer problems), the same
   table and comparisons over all rows on the problems all of them answered, each extended row also
   compared with the full method it varies; an extended row that has answered fewer problems than the
@@ -221,6 +223,14 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     out |= numbers
     if table:
         lines += ["", "The members and the core rows " + table[0], *table[1:]]
+    ensembles = [r for r in core if r not in MEMBERS]
+    furthest = max((len(rows[r]) for r in ensembles), default=0)
+    ahead = [r for r in ensembles if len(rows[r]) == furthest]
+    if len(ahead) < len(ensembles):
+        table, numbers = paired(rows, members + ahead, task)
+        if numbers["common_problems"] > out["common_problems"]:
+            out["core_ahead"] = numbers
+            lines += ["", f"While the other core rows run, the members and {', '.join(ahead)} " + table[0], *table[1:]]
     most = max((len(rows[r]) for r in extended), default=0)
     running = [r for r in extended if len(rows[r]) < most]
     extended = [r for r in extended if r not in running]
