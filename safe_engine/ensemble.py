@@ -72,6 +72,11 @@ class Ensemble:
         closed)."""
         return self._scheduler.open_requests
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no request is being decoded (call it before the process exits, after cancelling
+        what should not finish); False if decoding still runs after `timeout` seconds."""
+        return self._scheduler.wait_idle(timeout)
+
     @classmethod
     def from_pretrained(
         cls,

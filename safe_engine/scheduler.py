@@ -101,6 +101,19 @@ class Scheduler:
         with self._cond:
             return sum(not t.done for t in (*self._waiting, *self._live))
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the worker thread has ended (nothing live or waiting); False if it still runs.
+
+        Why: the worker is a daemon thread, and a process that exits while it is inside a round of torch
+        work can abort in the interpreter's teardown (SIGABRT instead of a clean exit status).
+        """
+        with self._cond:
+            worker = self._worker
+        if worker is None:
+            return True
+        worker.join(timeout)
+        return not worker.is_alive()
+
     def _run(self) -> None:
         while True:
             with self._cond:

@@ -40,6 +40,7 @@ from .schemas import (
 from .tool_calls import ReplyFilter
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_IDLE_WAIT_S = 30.0  # at shutdown, how long the last round (already cancelled) may take to end
 
 
 @dataclass
@@ -105,6 +106,8 @@ def create_app(
             threading.Thread(target=_load, args=(state, ensemble, on_ready, on_load_error), daemon=True).start()
         yield
         state.workers.shutdown()
+        if state.ensemble is not None:  # a round still running when the process exits can abort it
+            await asyncio.to_thread(state.ensemble.wait_idle, _IDLE_WAIT_S)
 
     app = FastAPI(title="safe-engine", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.safe = state

@@ -56,6 +56,18 @@ def test_closing_a_stream_after_a_few_deltas_frees_its_caches(ens3, fresh, metho
     assert_unaffected(ens3, fresh)
 
 
+def test_wait_idle_returns_once_the_round_of_a_closed_stream_has_ended(ens3, fresh):
+    stream = ens3.stream(PROMPT, max_new_tokens=200)
+    assert next(stream)
+    assert ens3.wait_idle(timeout=0.01) is False  # still decoding its 200 tokens
+    stream.close()
+    assert ens3.wait_idle(timeout=30) is True
+    assert ens3.open_requests == 0
+    assert not any(t.name == "safe-scheduler" for t in threading.enumerate())
+    assert ens3.wait_idle(timeout=0) is True  # idle stays idle
+    assert_unaffected(ens3, fresh)
+
+
 def test_dropping_an_unfinished_stream_frees_everything(ens3, fresh):
     baseline = live_caches()
     stream = ens3.stream(PROMPT, max_new_tokens=200)
