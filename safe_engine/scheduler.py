@@ -85,6 +85,7 @@ class Scheduler:
         self._waiting: deque[Ticket] = deque()
         self._live: list[Ticket] = []
         self._worker: threading.Thread | None = None
+        self._ending: threading.Thread | None = None  # the last worker, which may still be returning
 
     def submit(self, generation: Generation, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
         ticket = Ticket(generation, loop)
@@ -108,11 +109,10 @@ class Scheduler:
         work can abort in the interpreter's teardown (SIGABRT instead of a clean exit status).
         """
         with self._cond:
-            worker = self._worker
-        if worker is None:
-            return True
-        worker.join(timeout)
-        return not worker.is_alive()
+            workers = [w for w in (self._worker, self._ending) if w is not None]
+        for worker in workers:
+            worker.join(timeout)
+        return not any(w.is_alive() for w in workers)
 
     def _run(self) -> None:
         while True:
@@ -120,7 +120,7 @@ class Scheduler:
                 while self._waiting and len(self._live) < self.max_batch_size:
                     self._live.append(self._waiting.popleft())
                 if not self._live:
-                    self._worker = None
+                    self._worker, self._ending = None, self._worker
                     return
                 live = list(self._live)
             ready = [t for t in live if not t.generation.cancelled]
