@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -110,8 +111,9 @@ class Scheduler:
         """
         with self._cond:
             workers = [w for w in (self._worker, self._ending) if w is not None]
+        deadline = None if timeout is None else time.monotonic() + timeout
         for worker in workers:
-            worker.join(timeout)
+            worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(w.is_alive() for w in workers)
 
     def _run(self) -> None:

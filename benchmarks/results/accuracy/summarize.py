@@ -198,6 +198,13 @@ def paired(rows: dict[str, dict[str, dict[str, Any]]], names: list[str], task: s
     return lines, out
 
 
+def by_progress(rows: dict[str, Any], names: list[str]) -> tuple[int, list[str], list[str]]:
+    """(the most problems any of `names` answered, the rows that answered that many, the rows still short of
+    it: runs still going)."""
+    most = max((len(rows[r]) for r in names), default=0)
+    return most, [r for r in names if len(rows[r]) == most], [r for r in names if len(rows[r]) < most]
+
+
 def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     """The Markdown lines and the numbers of one task: the members alone; the core rows paired on their
     common problems; the extended rows (run on fewer problems) paired with the core rows on theirs."""
@@ -223,17 +230,13 @@ def study(folder: Path, task: str) -> tuple[list[str], dict[str, Any]]:
     out |= numbers
     if table:
         lines += ["", "The members and the core rows " + table[0], *table[1:]]
-    ensembles = [r for r in core if r not in MEMBERS]
-    furthest = max((len(rows[r]) for r in ensembles), default=0)
-    ahead = [r for r in ensembles if len(rows[r]) == furthest]
-    if len(ahead) < len(ensembles):
+    _, ahead, behind = by_progress(rows, [r for r in core if r not in MEMBERS])
+    if behind:
         table, numbers = paired(rows, members + ahead, task)
         if numbers["common_problems"] > out["common_problems"]:
             out["core_ahead"] = numbers
             lines += ["", f"While the other core rows run, the members and {', '.join(ahead)} " + table[0], *table[1:]]
-    most = max((len(rows[r]) for r in extended), default=0)
-    running = [r for r in extended if len(rows[r]) < most]
-    extended = [r for r in extended if r not in running]
+    most, extended, running = by_progress(rows, extended)
     if extended:
         table, out["extended"] = paired(rows, core + extended, task)
         if table:
