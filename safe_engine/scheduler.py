@@ -3,22 +3,26 @@
 Requests come from any thread (`generate`, `stream`) or asyncio task (`agenerate`, `astream`). Each one
 joins at the next round and leaves when it finishes, fails or is cancelled; a round batches its phases over
 all live requests (`decoding.run_round`), so eight requests cost about as many forward passes as one, each
-a little wider. The worker exists only while there is work.
+a little wider. The worker exists only while there is work, and the interpreter's exit cancels what is left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
 from .decoding import Generation, run_round
 from .errors import ConfigError, InputError
 from .stats import GenerationResult
+
+_EXIT_WAIT_S = 30.0  # at interpreter exit, how long the last (cancelled) round may take to end
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class Scheduler:
         self._live: list[Ticket] = []
         self._worker: threading.Thread | None = None
         self._ending: threading.Thread | None = None  # the last worker, which may still be returning
+        _schedulers.add(self)
 
     def submit(self, generation: Generation, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
         ticket = Ticket(generation, loop)
@@ -102,6 +107,12 @@ class Scheduler:
         """Requests submitted and not over yet (each holds its KV caches)."""
         with self._cond:
             return sum(not t.done for t in (*self._waiting, *self._live))
+
+    def cancel_all(self) -> None:
+        """Cancel every live and waiting request: each ends, with its caches freed, at the next round."""
+        with self._cond:
+            for ticket in (*self._waiting, *self._live):
+                ticket.cancel()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until the worker thread has ended (nothing live or waiting); False if it still runs.
@@ -135,6 +146,25 @@ class Scheduler:
             over = [t for t in live if t.publish()]
             with self._cond:
                 self._live = [t for t in self._live if t not in over]
+
+
+_schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # a running worker keeps its scheduler alive
+
+
+@atexit.register
+def end_decoding_at_exit(timeout: float = _EXIT_WAIT_S) -> None:
+    """Cancel whatever is still decoding and wait (bounded) for its round to end.
+
+    Why: the worker is a daemon thread, and an interpreter that tears down while it is inside torch work can
+    abort (SIGABRT) instead of exiting cleanly, e.g. a script that ends or is interrupted mid-stream.
+    Non-daemon threads are joined before atexit runs, so their own requests are not cut short.
+    """
+    schedulers = list(_schedulers)
+    for scheduler in schedulers:
+        scheduler.cancel_all()
+    deadline = time.monotonic() + timeout
+    for scheduler in schedulers:
+        scheduler.wait_idle(max(0.0, deadline - time.monotonic()))
 
 
 def collect(ticket: Ticket) -> GenerationResult:

@@ -6,12 +6,18 @@ import asyncio
 import gc
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from safe_engine import Ensemble, SafeEngineError
+from safe_engine.scheduler import end_decoding_at_exit
+from tests.conftest import tiny_member
 
 from .conftest import check_invariants, live_caches, wait_until
 
@@ -66,6 +72,47 @@ def test_wait_idle_returns_once_the_round_of_a_closed_stream_has_ended(ens3, fre
     assert not any(t.name == "safe-scheduler" for t in threading.enumerate())
     assert ens3.wait_idle(timeout=0) is True  # idle stays idle
     assert_unaffected(ens3, fresh)
+
+
+def test_the_exit_hook_cancels_running_and_waiting_requests_and_waits_for_their_round():
+    ens = Ensemble([tiny_member("gpt2", 1), tiny_member("llama2", 2)], max_batch_size=1)
+    running = ens.stream(PROMPT, max_new_tokens=200)
+    assert next(running)
+    waiting = ens.stream(NEXT, max_new_tokens=200)  # queued behind the running one (batch of 1)
+    assert ens.open_requests == 2
+    end_decoding_at_exit(timeout=30)
+    assert ens.open_requests == 0
+    assert not any(t.name == "safe-scheduler" for t in threading.enumerate())
+    for stream in (running, waiting):
+        with pytest.raises(SafeEngineError, match="cancelled"):
+            next(stream)
+    assert ens.generate(NEXT, max_new_tokens=5).stats.tokens == 5  # the ensemble still serves
+
+
+EXITS_MID_STREAM = """
+    import atexit, sys, threading
+    # Registered before safe_engine's own hook, so it runs after it (atexit is last in, first out).
+    atexit.register(lambda: print("at exit: open", ens.open_requests,
+                                  "workers", sum(t.name == "safe-scheduler" for t in threading.enumerate())))
+    from safe_engine import Ensemble
+    from tests.conftest import tiny_member
+    ens = Ensemble([tiny_member("gpt2", 1), tiny_member("llama2", 2)])
+    stream = ens.stream("It was a bright cold day in April", max_new_tokens=200)
+    print("first delta", bool(next(stream)), flush=True)
+    {exit}
+"""
+
+
+@pytest.mark.parametrize("exit", ["pass", "sys.exit(3)", "raise KeyboardInterrupt"])
+def test_a_script_ending_mid_stream_exits_cleanly_with_nothing_decoding(exit):
+    root = Path(__file__).resolve().parents[2]
+    script = textwrap.dedent(EXITS_MID_STREAM).format(exit=exit)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == {"pass": 0, "sys.exit(3)": 3, "raise KeyboardInterrupt": -signal.SIGINT}[exit], (
+        proc.stderr
+    )
+    assert "first delta True" in proc.stdout
+    assert "at exit: open 0 workers 0" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_dropping_an_unfinished_stream_frees_everything(ens3, fresh):
