@@ -120,12 +120,11 @@ class Scheduler:
         Why: the worker is a daemon thread, and a process that exits while it is inside a round of torch
         work can abort in the interpreter's teardown (SIGABRT instead of a clean exit status).
         """
+        return _join_within(self._workers(), timeout)
+
+    def _workers(self) -> list[threading.Thread]:
         with self._cond:
-            workers = [w for w in (self._worker, self._ending) if w is not None]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for worker in workers:
-            worker.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return not any(w.is_alive() for w in workers)
+            return [w for w in (self._worker, self._ending) if w is not None]
 
     def _run(self) -> None:
         while True:
@@ -162,9 +161,15 @@ def end_decoding_at_exit(timeout: float = _EXIT_WAIT_S) -> None:
     schedulers = list(_schedulers)
     for scheduler in schedulers:
         scheduler.cancel_all()
-    deadline = time.monotonic() + timeout
-    for scheduler in schedulers:
-        scheduler.wait_idle(max(0.0, deadline - time.monotonic()))
+    _join_within([w for scheduler in schedulers for w in scheduler._workers()], timeout)
+
+
+def _join_within(threads: list[threading.Thread], timeout: float | None) -> bool:
+    """Join `threads` under one deadline for them all; True if none is alive after it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for thread in threads:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
 
 
 def collect(ticket: Ticket) -> GenerationResult:

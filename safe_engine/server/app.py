@@ -106,7 +106,7 @@ def create_app(
             threading.Thread(target=_load, args=(state, ensemble, on_ready, on_load_error), daemon=True).start()
         yield
         state.workers.shutdown()
-        if state.ensemble is not None:  # a round still running when the process exits can abort it
+        if state.ensemble is not None:  # a stopped server leaves nothing decoding, even if the process goes on
             await asyncio.to_thread(state.ensemble.wait_idle, _IDLE_WAIT_S)
 
     app = FastAPI(title="safe-engine", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
