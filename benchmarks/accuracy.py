@@ -65,7 +65,7 @@ from safe_engine.eval import (
     run_eval,
     write_report,
 )
-from safe_engine.members import Member, load_member
+from safe_engine.runtime.members import Member, load_member
 
 PLAIN_CHAT = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}Question: {{ m['content'] }}\n"

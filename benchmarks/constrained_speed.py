@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from safe_engine import Ensemble
-from safe_engine.members import load_member
+from safe_engine.runtime.members import load_member
 
 QUESTION = "Describe a cat called Tom who is 3 years old: give its name, age and two hobbies."
 SCHEMA = {

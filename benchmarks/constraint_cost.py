@@ -6,7 +6,7 @@ What a constrained decoder pays per drafted token: compute the allowed-token mas
 then consume the chosen token. Fed here with a valid JSON document for a nested schema (objects, an enum,
 arrays, an anyOf-null field, a long free-text string), token by token in the drafter's own tokenization:
 ~200 steps on Qwen2.5's 152k vocabulary, more on Llama-2's 32k. Both libraries get the same vocabulary,
-spelled as the decoder spells it (`safe_engine.vocab.Vocab.token_bytes`), and the same JSON schema with
+spelled as the decoder spells it (`safe_engine.runtime.vocab.Vocab.token_bytes`), and the same JSON schema with
 flexible whitespace. Reported per library and tokenizer:
 
 - `tokenizer_ms`: building the library's per-vocabulary object (once per drafter, cached);
@@ -17,7 +17,7 @@ flexible whitespace. Reported per library and tokenizer:
   mask time summed over all its steps (the median over 5 requests: robust to the shared machine's stalls);
 - `consume_us`: consuming one token.
 
-Then the chosen library through `safe_engine.constrained` as the decoder will call it (`engine` rows):
+Then the chosen library through `safe_engine.shaping.constrained` as the decoder will call it (`engine` rows):
 a step is `Constraint.mask_logits` on a float32 logits row of the model's width (152,064 for Qwen2.5) +
 `consume`; `masked_fill_us` is the naive way to apply the same mask (a boolean `masked_fill`), for
 comparison. Also a tool-call grammar (tool_choice="auto": free text, then a call), and `mask_distribution`
@@ -43,7 +43,7 @@ import llguidance
 import torch
 from transformers import AutoTokenizer
 
-from safe_engine.vocab import Vocab
+from safe_engine.runtime.vocab import Vocab
 
 SHARED = Path(os.environ.get("SAFE_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared")) / "tokenizers"
 FAMILIES = ("qwen2.5-7b-instruct", "llama2")
@@ -225,7 +225,7 @@ def run_xgrammar(vocab: Vocab, eos: list[int], n: int, ids: list[int]) -> dict:
     }
 
 
-# -- the engine: safe_engine.constrained -----------------------------------------------------------------
+# -- the engine: safe_engine.shaping.constrained -----------------------------------------------------------------
 TOOLS = [
     {
         "type": "function",
@@ -250,7 +250,7 @@ TOOL_REPLY = (
 def run_engine(family: str, vocab: Vocab, eos: list[int], width: int, grammar, text: bytes, what: str) -> dict:
     from types import SimpleNamespace
 
-    from safe_engine.constrained import Constraint
+    from safe_engine.shaping.constrained import Constraint
 
     drafter = SimpleNamespace(
         vocab=vocab, token_bytes=vocab.token_bytes + [None] * (width - vocab.size), eos_ids=frozenset(eos)
@@ -306,7 +306,7 @@ def constraint_allowed_before(constraint, tid: int):
 def run_ensemble_point(vocabs: dict[str, tuple[Vocab, list[int], int]]) -> list[dict]:
     from types import SimpleNamespace
 
-    from safe_engine.constrained import Candidates, Constraint, Grammar, mask_distribution
+    from safe_engine.shaping.constrained import Candidates, Constraint, Grammar, mask_distribution
 
     qwen, qwen_eos, _ = vocabs["qwen2.5-7b-instruct"]
     llama = vocabs["llama2"][0]
@@ -372,7 +372,7 @@ def main() -> None:
                 result = {"library": run.__name__.removeprefix("run_"), "skipped": str(err)}
             rows.append({"tokenizer": family, "vocab": n, "steps": len(ids) + 1, **result})
             print(json.dumps(rows[-1]), flush=True)
-    from safe_engine.constrained import Grammar
+    from safe_engine.shaping.constrained import Grammar
 
     for family in FAMILIES:
         vocab, eos, n = vocabs[family]

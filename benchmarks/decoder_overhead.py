@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from safe_engine.alignment import FREEZE_MARGIN
-from safe_engine.rows import LocalRow, next_token_logprobs
-from safe_engine.vocab import Vocab
+from safe_engine.algorithm.alignment import FREEZE_MARGIN
+from safe_engine.runtime.rows import LocalRow, next_token_logprobs
+from safe_engine.runtime.vocab import Vocab
 
 SHARED = Path(os.environ.get("SAFE_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared")) / "tokenizers"
 FAMILIES = ("qwen2.5-7b-instruct", "llama2", "gpt2")

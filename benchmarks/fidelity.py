@@ -30,7 +30,7 @@ def worker(threads: int) -> None:
     torch.set_num_threads(threads)
     from safe_engine import Ensemble, decoding
     from safe_engine.bench import PROMPT
-    from safe_engine.members import load_member
+    from safe_engine.runtime.members import load_member
 
     last_position = {"n": 0}
     scan_name = "_scan_phase" if hasattr(decoding.Generation, "_scan_phase") else "_scan"

@@ -20,7 +20,7 @@ from pyinstrument import Profiler
 
 from safe_engine import Ensemble
 from safe_engine.bench import PROMPT
-from safe_engine.members import Member, load_member
+from safe_engine.runtime.members import Member, load_member
 
 
 def timed_score(member: Member, spent: dict[str, float]) -> None:

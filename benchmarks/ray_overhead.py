@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from safe_engine import Ensemble, ModelSpec
-from safe_engine.ray import RayMember
+from safe_engine.runtime.ray import RayMember
 
 TINY = [("qwen2.5-7b-instruct", 1), ("llama2", 2), ("gpt2", 3)]
 REAL = ["smollm2-135m", "gemma3-270m"]

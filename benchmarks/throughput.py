@@ -57,11 +57,11 @@ import torch
 
 from safe_engine import Ensemble
 from safe_engine.bench import PeakRSS
-from safe_engine.chat import chat_prompt_ids
 from safe_engine.config import GenerationConfig
 from safe_engine.eval import load_task
 from safe_engine.eval.prompts import chat_messages
-from safe_engine.members import Member, load_member
+from safe_engine.runtime.members import Member, load_member
+from safe_engine.shaping.chat import chat_prompt_ids
 
 DEFAULT_MODELS = ("qwen2.5-coder-0.5b", "smollm2-135m")
 DEFAULT_CONFIGS = ("hf", "single", "safe:unite", "safe:gac", "every_token:unite")

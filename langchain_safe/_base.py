@@ -8,9 +8,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, model_validator
 
 from safe_engine import Ensemble, GenerationConfig, GenerationResult, ModelSpec
+from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, InputTypeError, from_validation_error
 from safe_engine.knobs import adapted, aliases
-from safe_engine.lazy import LOAD_OPTIONS, LazyEnsemble
 
 # GenerationConfig's fields, where LangChain has its own convention: its standard names `max_tokens` and
 # `timeout`, `temperature=None` (or 0) for greedy, and stop strings as a list.

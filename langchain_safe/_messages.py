@@ -2,7 +2,7 @@
 
 Only translation: the OpenAI shape comes from langchain-core (`convert_to_openai_messages`); reading
 tool calls out of the verified text, and showing tools to each member, are the engine's
-(`safe_engine.tools`), shared with the LlamaIndex adapter and the server.
+(`safe_engine.shaping.tools`), shared with the LlamaIndex adapter and the server.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from langchain_core.messages import BaseMessage, InvalidToolCall, ToolCall, conv
 from langchain_core.messages.tool import invalid_tool_call, tool_call
 
 from safe_engine.errors import InputError, InputTypeError
-from safe_engine.tools import ToolCallParse
+from safe_engine.shaping.tools import ToolCallParse
 
 # Content blocks that carry no text for the model but are not an error either: tool calls travel in
 # "tool_calls" (Anthropic-style "tool_use" blocks duplicate them), reasoning is not replayed.

@@ -19,7 +19,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from safe_engine import GenerationResult, StreamEvent
 from safe_engine.errors import ConfigError
-from safe_engine.tools import ToolCallHoldback, ToolCallParse, normalize_tool_choice
+from safe_engine.shaping.tools import ToolCallHoldback, ToolCallParse, normalize_tool_choice
 
 from ._base import SafeParams
 from ._messages import langchain_tool_calls, to_engine_messages
@@ -42,9 +42,9 @@ class ChatSafe(SafeParams, BaseChatModel):
     render `tools` (Qwen2.5, Mistral v0.3, ...) use their own format; for members whose template ignores
     tools the engine describes them in that member's system message, asking for the same
     ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` format. The engine reads the calls back
-    from the verified text (`safe_engine.tools`: tagged, or a bare JSON object as small models often
+    from the verified text (`safe_engine.shaping.tools`: tagged, or a bare JSON object as small models often
     write); a malformed call becomes an `invalid_tool_calls` entry, and a stream never shows the start
-    of a call as content. Decoding is constrained by a grammar across the ensemble (`safe_engine.constrained`):
+    of a call as content. Decoding is constrained by a grammar across the ensemble (`safe_engine.shaping.constrained`):
     `tool_choice` "auto" allows text or valid calls, "any"/"required" one or more valid calls only, a tool
     name exactly one call to it; `with_structured_output` output follows the schema.
     """

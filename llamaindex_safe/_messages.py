@@ -1,7 +1,7 @@
 """LlamaIndex messages and tools -> the engine's OpenAI-style dicts, and the engine's tool calls -> LlamaIndex's.
 
 Only translation: showing tools to each member and reading calls back out of the verified text are the
-engine's (`safe_engine.tools`), shared with the LangChain adapter and the server.
+engine's (`safe_engine.shaping.tools`), shared with the LangChain adapter and the server.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 from llama_index.core.llms.llm import ToolSelection
 
 from safe_engine.errors import InputTypeError
-from safe_engine.tools import ToolCallParse
+from safe_engine.shaping.tools import ToolCallParse
 
 _ROLE_ALIASES = {MessageRole.CHATBOT.value: "assistant", MessageRole.MODEL.value: "assistant"}
 _MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name")

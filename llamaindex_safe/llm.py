@@ -9,7 +9,7 @@ Thin: every algorithmic step is the engine's. Construction follows `llama-index-
 * `chat` renders the conversation with *each member's own* chat template (the engine's `messages=`),
   not with a generic "role: content" transcript;
 * tool calling (`chat_with_tools`, `FunctionAgent`, `structured_predict`): the engine shows the tools to
-  each member's template and reads the calls back from the verified text (`safe_engine.tools`, the
+  each member's template and reads the calls back from the verified text (`safe_engine.shaping.tools`, the
   same reader as the LangChain adapter's);
 * `stream_complete` applies `completion_to_prompt` exactly like `complete` does;
 * the async methods run loading and tokenisation in worker threads, so the event loop keeps running
@@ -56,11 +56,11 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import PromptTemplate
 
 from safe_engine import Ensemble, GenerationConfig, GenerationResult, ModelSpec, StreamEvent
+from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, ToolCallError, from_validation_error
 from safe_engine.knobs import KNOB_NAMES, adapted, aliases
-from safe_engine.lazy import LOAD_OPTIONS, LazyEnsemble
-from safe_engine.members import peek_spec
-from safe_engine.tools import ToolCallHoldback, normalize_tool_choice
+from safe_engine.runtime.members import peek_spec
+from safe_engine.shaping.tools import ToolCallHoldback, normalize_tool_choice
 
 from ._messages import engine_message, keep_first_call, reply_message, tool_schema, tool_selections
 

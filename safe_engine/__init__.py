@@ -1,7 +1,7 @@
 """SAFE: Stable And Fast LLM Ensembling over causal LMs with different tokenizers."""
 
 from .config import GenerationConfig
-from .ensemble import AsyncTextStream, Ensemble, StreamEvent, TextStream
+from .engine.ensemble import AsyncTextStream, Ensemble, StreamEvent, TextStream
 from .errors import (
     ChatTemplateError,
     ChecksumError,
@@ -14,7 +14,7 @@ from .errors import (
     SafeEngineError,
     ToolCallError,
 )
-from .members import Member, ModelSpec
+from .runtime.members import Member, ModelSpec
 from .stats import EnsemblePoint, EnsembleStats, GenerationResult
 
 __all__ = [

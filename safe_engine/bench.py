@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .ensemble import Ensemble
-from .members import Member, load_member
+from .engine.ensemble import Ensemble
+from .runtime.members import Member, load_member
 
 PROMPT = (
     "Write a detailed, friendly explanation for a curious twelve-year-old of how a bicycle works: "

@@ -12,10 +12,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from . import demo_models
-from .ensemble import Ensemble
+from .engine.ensemble import Ensemble
 from .errors import SafeEngineError
 from .knobs import add_cli_arguments, cli_options
+from .runtime import demo_models
 from .stats import GenerationResult
 
 

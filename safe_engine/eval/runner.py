@@ -377,7 +377,7 @@ def make_batched_single_config(
     Why: on a CPU a small model's decoding is memory-bound, so a batch of 16 costs about 2.5x one sequence;
     single-model rows of a long accuracy run cost a fraction of their sequential time. Greedy output equals
     the engine's ``method="single"`` up to float rounding from left padding (the prompt is rendered the same
-    way, :func:`safe_engine.chat.chat_prompt_ids`). Each record's ``wall_time_s`` and ``cpu_time_s`` (this
+    way, :func:`safe_engine.shaping.chat.chat_prompt_ids`). Each record's ``wall_time_s`` and ``cpu_time_s`` (this
     process's CPU time, all threads) are the batch's times divided by the batch's size. A call for a problem
     not yet answered generates it and the next ``batch_size - 1`` problems of ``problems``.
 
@@ -388,7 +388,7 @@ def make_batched_single_config(
     """
     import torch
 
-    from safe_engine.chat import chat_prompt_ids
+    from safe_engine.shaping.chat import chat_prompt_ids
 
     order = {p.id: i for i, p in enumerate(problems)}
     answers: dict[str, dict[str, Any]] = {}

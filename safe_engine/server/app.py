@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import GenerationConfig
-from ..ensemble import Ensemble
+from ..engine.ensemble import Ensemble
 from ..errors import ConfigError, GenerationTimeout, InputError, InputTypeError, MemberError, SafeEngineError
-from ..tools import with_tool_choice
+from ..shaping.tools import with_tool_choice
 from . import openai_shapes as shapes
 from .jobs import EngineJob, Interrupted, Workers
 from .schemas import (
@@ -402,7 +402,7 @@ def _tool_choice(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | Non
     """(the tools, tool_choice as the engine names it: "auto" | "none" | "required" | a tool name).
 
     "none" means no reply is ever a tool call; "required" and a named tool ask for the call in the system
-    message (`safe_engine.tools.with_tool_choice`: decoding cannot be constrained yet) and let the parser
+    message (`safe_engine.shaping.tools.with_tool_choice`: decoding cannot be constrained yet) and let the parser
     read a bare JSON object of the required tool's arguments as its call.
     """
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

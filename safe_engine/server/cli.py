@@ -123,7 +123,7 @@ def _load(args: argparse.Namespace) -> Any:
     """The ensemble, with the batch size the engine supports (the batching scheduler takes one)."""
     from transformers.utils import logging as hf_logging
 
-    from ..ensemble import Ensemble
+    from ..engine.ensemble import Ensemble
 
     hf_logging.disable_progress_bar()
     kwargs: dict[str, Any] = {

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..ensemble import StreamEvent, TextStream
+from ..engine.ensemble import StreamEvent, TextStream
 
 _STARTED = object()
 _END = object()

@@ -1,6 +1,6 @@
 """Tool calls in the ensemble's verified text, as OpenAI `tool_calls`.
 
-The reading itself is `safe_engine.tools` (the parser every adapter shares); this module only holds a
+The reading itself is `safe_engine.shaping.tools` (the parser every adapter shares); this module only holds a
 stream back while it may turn into a call and writes the calls in OpenAI's shape (arguments as a JSON
 string).
 """
@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tools import ToolCallHoldback
+from ..shaping.tools import ToolCallHoldback
 
 
 @dataclass

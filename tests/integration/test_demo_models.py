@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from safe_engine import demo_models as dm
+from safe_engine.runtime import demo_models as dm
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from safe_engine import Ensemble, ModelSpec
-from safe_engine.members import load_member
+from safe_engine.runtime.members import load_member
 
 pytestmark = pytest.mark.integration
 

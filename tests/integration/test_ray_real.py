@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from safe_engine import Ensemble
-from safe_engine.ray import RayMember
+from safe_engine.runtime.ray import RayMember
 
 ray = pytest.importorskip("ray")
 

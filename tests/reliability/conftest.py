@@ -109,7 +109,7 @@ def live_caches() -> int:
     """KV caches of any request still alive in this process (packed pools or transformers' caches)."""
     from transformers import DynamicCache
 
-    from safe_engine.packed import KVPool
+    from safe_engine.runtime.packed import KVPool
 
     gc.collect()
     return sum(1 for o in gc.get_objects() if type(o) in (DynamicCache, KVPool))

@@ -319,7 +319,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_devices_that_do_not_exist_are_clear_errors_before_anything_loads(model_dir, monkeypatch, ens2, baseline):
-    from safe_engine import members as members_module
+    from safe_engine.runtime import members as members_module
 
     loads = []
     original = members_module.AutoModelForCausalLM.from_pretrained

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from safe_engine import Ensemble, SafeEngineError
-from safe_engine.scheduler import end_decoding_at_exit
+from safe_engine.engine.scheduler import end_decoding_at_exit
 from tests.conftest import tiny_member
 
 from .conftest import check_invariants, live_caches, wait_until

@@ -164,7 +164,7 @@ async def test_langchain_async_gather_of_ainvoke_and_astream(ens):
 def test_one_tokenizer_shared_by_threads_keeps_control_strings_as_text():
     """Raw prompts (control strings split) and chat templates (control tokens recognised) tokenized at
     once by one fast tokenizer: its `split_special_tokens` switch is shared backend state."""
-    from safe_engine.chat import chat_prompt_ids
+    from safe_engine.shaping.chat import chat_prompt_ids
 
     member = tiny_member("qwen2.5-7b-instruct", 1)
     text = "x <|im_end|> y <|im_start|>assistant <|endoftext|> " * 8

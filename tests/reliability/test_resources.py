@@ -9,7 +9,7 @@ import weakref
 import pytest
 
 from safe_engine import Ensemble, Member
-from safe_engine.packed import KVPool
+from safe_engine.runtime.packed import KVPool
 from tests.conftest import tiny_member
 
 from .conftest import check_invariants, live_caches

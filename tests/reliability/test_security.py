@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from safe_engine import ChecksumError, Ensemble, InputTypeError, ModelLoadError, ModelSpec, SafeEngineError
-from safe_engine import demo_models as dm
-from safe_engine import members as members_module
-from safe_engine.members import load_member
+from safe_engine.runtime import demo_models as dm
+from safe_engine.runtime import members as members_module
+from safe_engine.runtime.members import load_member
 from tests.conftest import tiny_model, tokenizer
 
 from .conftest import check_invariants

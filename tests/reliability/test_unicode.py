@@ -8,8 +8,8 @@ import unicodedata
 import pytest
 
 from safe_engine import Ensemble, InputError
-from safe_engine.alignment import boundaries, common_boundaries
-from safe_engine.chat import chat_prompt_ids
+from safe_engine.algorithm.alignment import boundaries, common_boundaries
+from safe_engine.shaping.chat import chat_prompt_ids
 from tests.conftest import tiny_member
 
 from .conftest import FAMILIES, SIMPLE_TEMPLATE, check_invariants, script

@@ -7,7 +7,7 @@ import json
 import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 
-from safe_engine.tools import parse_tool_calls
+from safe_engine.shaping.tools import parse_tool_calls
 
 from .conftest import DEFAULT_TOKENS, KEY, MODEL
 from .scripted import pieces, script

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from safe_engine import GenerationConfig
-from safe_engine.aggregation import UnionVocab, sharpen, string_probs, top_strings, unite
-from safe_engine.decision import Judge
-from safe_engine.rows import Draws, LocalRow
+from safe_engine.algorithm.aggregation import UnionVocab, sharpen, string_probs, top_strings, unite
+from safe_engine.algorithm.decision import Judge
+from safe_engine.runtime.rows import Draws, LocalRow
 from tests.conftest import tiny_member
 
 CAT, DOG, CA = b" cat", b" dog", b" ca"

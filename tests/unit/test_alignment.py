@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from safe_engine.alignment import boundaries, common_boundaries
-from safe_engine.vocab import Vocab
+from safe_engine.algorithm.alignment import boundaries, common_boundaries
+from safe_engine.runtime.vocab import Vocab
 from tests.conftest import tokenizer
 
 FAMILIES = ["gpt2", "llama2", "qwen2.5-7b-instruct", "mistral-7b-instruct-v0.3", "gpt-neox-20b", "exaone-3.5"]

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-from safe_engine import Ensemble, Member, decoding
-from safe_engine.packed import KVPool, packed_forward
+from safe_engine import Ensemble, Member
+from safe_engine.algorithm import decoding
+from safe_engine.runtime.packed import KVPool, packed_forward
 from tests.conftest import tiny_member, tokenizer
 
 PROMPT = "The quick brown fox"
@@ -118,7 +119,7 @@ def test_each_request_of_a_mixed_batch_gets_exactly_its_solo_result(chat3, monke
         widths.append(len(gens))
         return run_round(gens)
 
-    monkeypatch.setattr("safe_engine.scheduler.run_round", counting)
+    monkeypatch.setattr("safe_engine.engine.scheduler.run_round", counting)
     together: list = [None] * len(REQUESTS)
 
     def run(i: int) -> None:
@@ -147,7 +148,9 @@ def test_generate_batch_takes_prompts_and_messages_and_respects_max_batch_size(m
     alone = [ens.generate(p, max_new_tokens=20).text for p in prompts]
     widths: list[int] = []
     run_round = decoding.run_round
-    monkeypatch.setattr("safe_engine.scheduler.run_round", lambda gens: widths.append(len(gens)) or run_round(gens))
+    monkeypatch.setattr(
+        "safe_engine.engine.scheduler.run_round", lambda gens: widths.append(len(gens)) or run_round(gens)
+    )
     results = ens.generate_batch(prompts, max_new_tokens=20)
     assert [r.text for r in results] == alone
     assert max(widths) == 2

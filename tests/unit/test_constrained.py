@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from safe_engine.constrained import (
+from safe_engine.errors import ConfigError
+from safe_engine.runtime.vocab import Vocab
+from safe_engine.shaping.constrained import (
     Candidates,
     Constraint,
     ConstraintError,
@@ -22,9 +24,7 @@ from safe_engine.constrained import (
     bias_of_bitmask,
     mask_distribution,
 )
-from safe_engine.errors import ConfigError
-from safe_engine.tools import parse_tool_calls
-from safe_engine.vocab import Vocab
+from safe_engine.shaping.tools import parse_tool_calls
 from tests.conftest import tiny_member, tokenizer
 
 try:

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from safe_engine import ConfigError, Ensemble
-from safe_engine.constrained import Constraint, Grammar
+from safe_engine.shaping.constrained import Constraint, Grammar
 from tests.conftest import tiny_member
 from tests.unit.test_sampling import DRAWS, PROMPT, TEMPERATURE, chi_square_p, emitted, next_token_probs, unite_target
 

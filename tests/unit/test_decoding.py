@@ -128,7 +128,7 @@ def test_chat_messages_use_each_members_own_template():
     res = ens.generate(messages=messages, max_new_tokens=30)
     assert res.stats.tokens == 30
     qwen = ens.members[0]
-    from safe_engine.chat import chat_prompt_ids
+    from safe_engine.shaping.chat import chat_prompt_ids
 
     ids = chat_prompt_ids(qwen, messages)
     eos = qwen.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -147,7 +147,7 @@ def test_chat_without_template_is_a_clear_error_unless_overridden():
 
 
 def test_tools_reach_templates_and_are_described_to_members_without_tool_support():
-    from safe_engine.chat import chat_prompt_ids
+    from safe_engine.shaping.chat import chat_prompt_ids
 
     tool = {"type": "function", "function": {"name": "multiply", "parameters": {"type": "object"}}}
     messages = [{"role": "user", "content": "2*3?"}]

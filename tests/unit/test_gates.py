@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from safe_engine import Ensemble, EnsemblePoint, Member, alignment, decoding
+from safe_engine import Ensemble, EnsemblePoint, Member
+from safe_engine.algorithm import alignment, decoding
 from tests.conftest import tiny_member
 
 PROMPT = "The quick brown fox"

@@ -24,9 +24,9 @@ from pydantic import BaseModel
 from langchain_safe import ChatSafe, SafeLLM
 from langchain_safe._messages import to_engine_messages
 from safe_engine import Ensemble, GenerationTimeout, SafeEngineError
-from safe_engine.chat import chat_prompt_ids
 from safe_engine.errors import ConfigError, InputError
-from safe_engine.tools import new_tool_call_id
+from safe_engine.shaping.chat import chat_prompt_ids
+from safe_engine.shaping.tools import new_tool_call_id
 from tests.conftest import tiny_member, tokenizer
 from tests.scripted import ScriptedStream, patch_streams, script
 
@@ -96,14 +96,16 @@ def test_llm_batch(llm, ens):
 def test_batches_decode_together(llm, chat, ens, monkeypatch):
     """SafeLLM.batch / abatch and ChatSafe.batch put the prompts in one engine batch (the scheduler steps
     them in the same rounds); each answer is the one the prompt gets alone."""
-    from safe_engine import decoding
+    from safe_engine.algorithm import decoding
 
     prompts = ["Hello", "The quick brown fox", "Once upon a time"]
     options = {"schedule": "rounds"}  # alone, a request may overlap instead: the same text either way
     alone = [llm.invoke(p, **options) for p in prompts]
     widths: list[int] = []
     run_round = decoding.run_round
-    monkeypatch.setattr("safe_engine.scheduler.run_round", lambda gens: widths.append(len(gens)) or run_round(gens))
+    monkeypatch.setattr(
+        "safe_engine.engine.scheduler.run_round", lambda gens: widths.append(len(gens)) or run_round(gens)
+    )
     assert llm.batch(prompts, **options) == alone and max(widths) == 3
     widths.clear()
     assert asyncio.run(llm.abatch(prompts, **options)) == alone and max(widths) == 3

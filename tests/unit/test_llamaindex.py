@@ -36,7 +36,7 @@ from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import safe_engine.ensemble
+import safe_engine.engine.ensemble
 from llamaindex_safe import SafeLLM
 from safe_engine import (
     ChatTemplateError,
@@ -48,7 +48,7 @@ from safe_engine import (
     ModelLoadError,
     ToolCallError,
 )
-from safe_engine.tools import TOOL_CALL_OPEN
+from safe_engine.shaping.tools import TOOL_CALL_OPEN
 from tests.conftest import tiny_member, tokenizer
 from tests.scripted import script
 
@@ -393,13 +393,13 @@ def model_dirs(tmp_path_factory) -> list[str]:
 def load_calls(monkeypatch) -> list[str]:
     """Record every member load (and the thread it ran in)."""
     calls: list[str] = []
-    original = safe_engine.ensemble.load_member
+    original = safe_engine.engine.ensemble.load_member
 
     def counting(spec, **kwargs):
         calls.append(threading.current_thread().name)
         return original(spec, **kwargs)
 
-    monkeypatch.setattr(safe_engine.ensemble, "load_member", counting)
+    monkeypatch.setattr(safe_engine.engine.ensemble, "load_member", counting)
     return calls
 
 
@@ -529,7 +529,7 @@ async def test_query_engine_async(ens, settings):
 
 
 # -- tools: a FunctionCallingLLM ------------------------------------------------------------------------------
-# The engine shows the tools to each member's template and reads the calls back (safe_engine.tools). Tiny
+# The engine shows the tools to each member's template and reads the calls back (safe_engine.shaping.tools). Tiny
 # random models write gibberish, so replies that must contain a call are scripted (tests/scripted.py); the
 # real decoding path runs too. Qwen's template renders tools; Mistral's too, with strict 9-character ids.
 def multiply(a: int, b: int) -> int:

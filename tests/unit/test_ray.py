@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from safe_engine import ConfigError, Ensemble, GenerationConfig, MemberError, ModelLoadError, ModelSpec
-from safe_engine.decoding import Generation
-from safe_engine.ray import MIN_TOP_K, RayMember, load_ray_members, resolve_backends
+from safe_engine.algorithm.decoding import Generation
+from safe_engine.runtime.ray import MIN_TOP_K, RayMember, load_ray_members, resolve_backends
 from tests.conftest import tiny_model, tokenizer
 
 ray = pytest.importorskip("ray")

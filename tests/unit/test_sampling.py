@@ -141,7 +141,7 @@ def test_single_sampling_follows_the_drafters_distribution_with_top_p(pair):
 @pytest.mark.parametrize("scale", [5.0, 0.01])  # peaked: the cut lies in the top-1024 probe; flat: full sort
 @pytest.mark.parametrize("top_p", [0.3, 0.9, 0.999])
 def test_top_p_keeps_the_same_tokens_as_a_full_sort(scale, top_p):
-    from safe_engine.rows import next_token_logprobs
+    from safe_engine.runtime.rows import next_token_logprobs
 
     logits = torch.randn(50_000, generator=torch.Generator().manual_seed(7)) * scale
     reference = torch.log_softmax(logits / 0.7, -1)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from safe_engine import ConfigError, Ensemble, SafeEngineError
-from safe_engine.decoding import OverlapGauge
+from safe_engine.algorithm.decoding import OverlapGauge
 from tests.conftest import tiny_member
 from tests.reliability.conftest import live_caches, wait_until
 

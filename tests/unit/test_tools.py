@@ -1,4 +1,4 @@
-"""safe_engine.tools: tools shown to each member's template, tool calls read back from the verified text,
+"""safe_engine.shaping.tools: tools shown to each member's template, tool calls read back from the verified text,
 and the streaming hold-back. Pure functions, plus real templates from ../shared/tokenizers."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from safe_engine.chat import chat_prompt_ids
 from safe_engine.errors import ConfigError, InputError, InputTypeError
-from safe_engine.tools import (
+from safe_engine.shaping.chat import chat_prompt_ids
+from safe_engine.shaping.tools import (
     ToolCallHoldback,
     new_tool_call_id,
     normalize_tool_choice,

@@ -14,10 +14,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .errors import ChatTemplateError, InputError, InputTypeError
-from .members import Member
+from ..errors import ChatTemplateError, InputError, InputTypeError
+from ..runtime.members import Member
+from ..runtime.vocab import tokenizer_lock
 from .tools import template_messages
-from .vocab import tokenizer_lock
 
 _PLACEHOLDER = "\x00safe-content-{}\x00"
 _PLACEHOLDER_RE = re.compile("\x00safe-content-(\\d+)\x00")

@@ -37,7 +37,7 @@ import jinja2
 import jinja2.meta
 from jinja2.ext import Extension
 
-from .errors import ConfigError, InputError, InputTypeError
+from ..errors import ConfigError, InputError, InputTypeError
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"

@@ -15,9 +15,9 @@ import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from ..errors import ConfigError, InputTypeError
+from ..runtime.members import ModelSpec, spec_name, unique_names
 from .ensemble import AsyncTextStream, Ensemble, StreamEvent, TextStream
-from .errors import ConfigError, InputTypeError
-from .members import ModelSpec, spec_name, unique_names
 
 #: Ensemble.from_pretrained options a holder forwards, with the values that mean "not given".
 LOAD_OPTIONS: dict[str, Any] = {

@@ -34,17 +34,17 @@ from typing import Any
 
 import torch
 
+from ..config import GenerationConfig
+from ..errors import GenerationTimeout, InputError
+from ..runtime.members import Job, Member, Track
+from ..runtime.rows import Draws, Row
+from ..shaping.constrained import Constraint
+from ..shaping.tools import parse_tool_calls
+from ..stats import EnsemblePoint, EnsembleStats, GenerationResult
 from .aggregation import Pick, UnionVocab, eos_ids, token_string
 from .alignment import Verification
-from .config import GenerationConfig
-from .constrained import Constraint
 from .decision import Judge, Verdict
-from .errors import GenerationTimeout, InputError
-from .members import Job, Member, Track
-from .rows import Draws, Row
-from .stats import EnsemblePoint, EnsembleStats, GenerationResult
 from .text import TextBuffer
-from .tools import parse_tool_calls
 
 CARRY_LIMIT = 3  # judge anyway once the carried-over tokens exceed this many drafts (a verifier token that
 # keeps growing, like a long run of "=", must not postpone the decision forever)

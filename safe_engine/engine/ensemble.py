@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
-from .aggregation import UnionVocab
-from .chat import chat_prompt_ids, check_text, validate_messages
-from .config import GenerationConfig
-from .constrained import Constraint, Grammar, schema_dict
-from .decoding import Generation, OverlapGauge
-from .errors import ConfigError, InputError, InputTypeError
-from .members import Member, ModelSpec, check_device, load_member, unique_names
+from ..algorithm.aggregation import UnionVocab
+from ..algorithm.decoding import Generation, OverlapGauge
+from ..config import GenerationConfig
+from ..errors import ConfigError, InputError, InputTypeError
+from ..runtime.members import Member, ModelSpec, check_device, load_member, unique_names
+from ..shaping.chat import chat_prompt_ids, check_text, validate_messages
+from ..shaping.constrained import Constraint, Grammar, schema_dict
+from ..shaping.tools import with_tool_choice
+from ..stats import EnsembleStats, GenerationResult
 from .scheduler import Scheduler, Ticket, collect
-from .stats import EnsembleStats, GenerationResult
-from .tools import with_tool_choice
 
 
 class Ensemble:
@@ -101,7 +101,7 @@ class Ensemble:
         """
         if isinstance(specs, str | ModelSpec) or not isinstance(specs, Sequence) or not specs:
             raise InputTypeError("specs must be a non-empty list of model specs, e.g. ['smollm2-135m', 'gemma3-270m']")
-        from .ray import resolve_backends, start_ray_members
+        from ..runtime.ray import resolve_backends, start_ray_members
 
         backends = resolve_backends(backend, len(specs))
         devices = _devices(device_map, len(specs))

@@ -51,7 +51,7 @@ for UniTE's ~20 candidates; GaC's whole union (157k strings for Qwen2.5 + Llama-
 table ≈ 0.3 ms at a structural position, ≈ 8 ms inside a JSON string (5.6k strings that are not one
 drafter token are checked byte by byte there).
 
-Tool calls use the Hermes / Qwen2.5 format that `safe_engine.tools` reads back:
+Tool calls use the Hermes / Qwen2.5 format that `safe_engine.shaping.tools` reads back:
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (up to 3 white-space characters allowed
 around the JSON, so the compact ``<tool_call>{...}</tool_call>`` the system-message prompt asks for is valid
 too). The JSON object has "name" first, then "arguments" (the tool's parameter schema).
@@ -73,9 +73,9 @@ import llguidance
 import numpy as np
 import torch
 
-from .errors import ConfigError, InputError, SafeEngineError
+from ..errors import ConfigError, InputError, SafeEngineError
+from ..runtime.vocab import Vocab
 from .tools import normalize_tool_choice, tool_names
-from .vocab import Vocab
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Grammar:
     def tool_calls(
         cls, tools: Sequence[Mapping[str, Any]], choice: Any = "auto", parallel: bool = True
     ) -> Grammar | None:
-        """Tool calls in the Hermes / Qwen2.5 format; `choice` as `safe_engine.tools.normalize_tool_choice`
+        """Tool calls in the Hermes / Qwen2.5 format; `choice` as `safe_engine.shaping.tools.normalize_tool_choice`
         reads it:
 
         - "auto": free text without ``<tool_call>``, or text followed by one or more valid calls (once

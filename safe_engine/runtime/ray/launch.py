@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, ModelLoadError
+from ...errors import ConfigError, ModelLoadError
 from ..members import ModelSpec, resolve_spec
 from .actor import MemberActor
 from .member import RayMember, _first_line, _ray

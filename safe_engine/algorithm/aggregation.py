@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .members import Member
-from .rows import Row
+from ..runtime.members import Member
+from ..runtime.rows import Row
 
 EOS = b""  # candidate string that ends the generation
 GAC_CANDIDATES = 64  # union entries kept after GaC aggregation (for sharpening and the trace)
@@ -140,7 +140,7 @@ class UnionVocab:
 
     def candidates(self, drafter: Member) -> Any:
         """The union's strings as `constrained.Candidates` for `drafter` (built once: ~50 ms)."""
-        from .constrained import Candidates
+        from ..shaping.constrained import Candidates
 
         table = self._candidates.get(id(drafter))
         if table is None:

@@ -190,7 +190,7 @@ def _checksum_message(path: Path, expected: str, actual: str) -> str:
     if demo is not None:
         how = (
             f"Delete it and fetch it again: rm -f '{path}' && "
-            f"python -c \"from safe_engine.demo_models import fetch; fetch('{demo.name}')\""
+            f"python -c \"from safe_engine.runtime.demo_models import fetch; fetch('{demo.name}')\""
         )
     else:
         how = f"Delete it ('{path}') and obtain the file again from its source."

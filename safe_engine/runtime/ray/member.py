@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
-from ..errors import ConfigError, InputTypeError, MemberError
+from ...config import GenerationConfig
+from ...errors import ConfigError, InputTypeError, MemberError
 from ..members import Job, Member
 from ..rows import Row
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 
-from .config import GenerationConfig
-from .members import Track
-from .rows import Row
-from .vocab import Vocab, token_starts
+from ..config import GenerationConfig
+from ..runtime.members import Track
+from ..runtime.rows import Row
+from ..runtime.vocab import Vocab, token_starts
 
 __all__ = ["Verification", "boundaries", "common_boundaries", "token_starts"]
 

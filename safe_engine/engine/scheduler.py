@@ -18,9 +18,9 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 
-from .decoding import Generation, run_round
-from .errors import ConfigError, InputError
-from .stats import GenerationResult
+from ..algorithm.decoding import Generation, run_round
+from ..errors import ConfigError, InputError
+from ..stats import GenerationResult
 
 _EXIT_WAIT_S = 30.0  # at interpreter exit, how long the last (cancelled) round may take to end
 

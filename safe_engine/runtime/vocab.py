@@ -24,7 +24,7 @@ from itertools import accumulate
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from .errors import InputError
+from ..errors import InputError
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 _SENTINEL = "\n"  # encoded before a text to absorb a SentencePiece dummy prefix, then dropped

@@ -21,6 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import GenerationConfig
+from ..runtime.members import Member
+from ..runtime.rows import Draws, Row, race_sample
+from ..shaping.constrained import Constraint, mask_distribution
+from ..stats import EnsemblePoint
 from .aggregation import (
     EOS,
     GAC_CONFIDENCE,
@@ -33,11 +38,6 @@ from .aggregation import (
     top_strings,
     unite,
 )
-from .config import GenerationConfig
-from .constrained import Constraint, mask_distribution
-from .members import Member
-from .rows import Draws, Row, race_sample
-from .stats import EnsemblePoint
 
 TRACE_CANDIDATES = 10
 

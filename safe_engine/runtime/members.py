@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from ..config import GenerationConfig
+from ..errors import ConfigError, InputTypeError, ModelLoadError
 from . import demo_models
-from .config import GenerationConfig
-from .errors import ConfigError, InputTypeError, ModelLoadError
 from .packed import KVPool, packed_forward, supports_packing, use_packing
 from .rows import LocalRow, Row
 from .vocab import Vocab, tokenizer_lock
@@ -30,7 +30,7 @@ class ModelSpec:
     """Where a member comes from and how to place it.
 
     `path` is a hub id, a local directory, a `.gguf` file or a demo model name
-    (see `safe_engine.demo_models`). `chat_template` overrides the tokenizer's template, so base models
+    (see `safe_engine.runtime.demo_models`). `chat_template` overrides the tokenizer's template, so base models
     or models with a broken template can still join a chat ensemble.
     """
 
