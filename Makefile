@@ -22,6 +22,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy safe_engine langchain_safe llamaindex_safe
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 test-unit: $(STAMP)

@@ -57,7 +57,7 @@ def summary(runs: list[dict], wall: float) -> dict:
 
 # -- through the server ----------------------------------------------------------------------------------------
 def start_server(models: list[str], max_batch_size: int, tokens: int, threads: int) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "safe_engine.server", "--port", "0", "--api-key", KEY]
+    cmd = [sys.executable, "-m", "safe_engine", "serve", "--port", "0", "--api-key", KEY]
     cmd += ["--max-batch-size", str(max_batch_size), "--max-new-tokens", str(tokens)]
     for m in models:
         cmd += ["-m", m]

@@ -30,7 +30,7 @@ TOKENS = 32
 
 def start_server(api_key: str) -> tuple[subprocess.Popen, str]:
     """`safe-engine serve` on a free port; returns the process and its /v1 URL once the members are loaded."""
-    cmd = [sys.executable, "-m", "safe_engine.server", "--port", "0", "--api-key", api_key, "--max-new-tokens", "64"]
+    cmd = [sys.executable, "-m", "safe_engine", "serve", "--port", "0", "--api-key", api_key, "--max-new-tokens", "64"]
     for model in MODELS:
         cmd += ["-m", model]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

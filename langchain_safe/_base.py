@@ -7,10 +7,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, model_validator
 
-from safe_engine import Ensemble, GenerationConfig, GenerationResult, ModelSpec
+from safe_engine import Ensemble, GenerationResult, ModelSpec, Request, build_request
 from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
-from safe_engine.errors import ConfigError, InputTypeError, from_validation_error
-from safe_engine.knobs import adapted, aliases
+from safe_engine.errors import ConfigError, from_validation_error
+from safe_engine.knobs import adapted
+from safe_engine.shaping.request import ALIASES
 
 # GenerationConfig's fields, where LangChain has its own convention: its standard names `max_tokens` and
 # `timeout`, `temperature=None` (or 0) for greedy, and stop strings as a list.
@@ -36,12 +37,11 @@ _KNOBS = adapted(
 )
 #: GenerationConfig fields exposed as model fields and per-call keyword arguments.
 KNOBS: tuple[str, ...] = tuple(k.name for k in _KNOBS)
-_ALIASES = aliases(_KNOBS)  # max_tokens -> max_new_tokens, timeout -> timeout_s
 _GenerationKnobs: type[BaseModel] = create_model(
     "GenerationKnobs", **{k.name: (k.type, Field(k.default, alias=k.alias, description=k.doc)) for k in _KNOBS}
 )
 # Keyword arguments LangChain itself may pass along with a call that carry no generation option.
-_IGNORED_CALL_KWARGS = frozenset({"stream"})
+_IGNORED_CALL_KWARGS = frozenset({"stream", "ls_structured_output_format"})
 # LangChain's standard `api_key` for hosted models: accepted (generic code passes it) and unused.
 _TOLERATED = frozenset({"api_key"})
 
@@ -98,7 +98,7 @@ class SafeParams(_GenerationKnobs):
             )
         options = {k: getattr(self, k) for k in LOAD_OPTIONS}
         self._holder = LazyEnsemble(self.ensemble, self.models, owner=type(self).__name__, **options)
-        self._engine_options(None, {})  # validates the knobs now, not at the first call
+        self._request(None, {}, prompt=" ")  # validates the knobs now, not at the first call
         return self
 
     # -- the ensemble ----------------------------------------------------------------------------------
@@ -130,37 +130,22 @@ class SafeParams(_GenerationKnobs):
         return f"{self.method}:" + "+".join([drafter, *[n for n in self.member_names if n != drafter]])
 
     # -- options ---------------------------------------------------------------------------------------
-    def _engine_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """GenerationConfig keywords for one call: fields, overridden by the call's kwargs (consumed)."""
-        values = {k: getattr(self, k) for k in KNOBS}
-        for key in list(kwargs):
-            name = _ALIASES.get(key, key)
-            if name in values:
-                values[name] = kwargs.pop(key)
-            elif key in _IGNORED_CALL_KWARGS:
-                kwargs.pop(key)
-        if kwargs:
-            valid = sorted((*KNOBS, *_ALIASES))
-            raise ConfigError(f"unknown option(s) {sorted(kwargs)}; per-call options are {valid}")
-        temperature, do_sample = values.pop("temperature"), values.pop("do_sample")
-        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, int | float)):
-            raise ConfigError(f"temperature must be a number, got {temperature!r}")
-        if do_sample is None:
-            do_sample = temperature is not None and temperature > 0
-        if temperature is None or temperature == 0:
-            do_sample = False  # temperature 0 is LangChain's way of asking for greedy decoding
-        else:
-            values["temperature"] = temperature
-        values["do_sample"] = bool(do_sample)
-        if values["max_new_tokens"] is None:
-            values.pop("max_new_tokens")
-        stops = stop if stop is not None else values["stop"]
-        values["stop"] = tuple([stops] if isinstance(stops, str) else stops or ())
-        try:
-            GenerationConfig(**values)
-        except TypeError as err:  # a wrong type the dataclass itself rejects
-            raise InputTypeError(str(err)) from err
-        return values
+    def _request(self, stop: list[str] | None, kwargs: dict[str, Any], **inputs: Any) -> Request:
+        """The engine's `Request` for one call: the fields, overridden by the call's options (any
+        `build_request` keyword, under the engine's shared semantics: temperature 0 = greedy, max_tokens,
+        timeout), for the prompt or messages in `inputs`."""
+        options: dict[str, Any] = {k: getattr(self, k) for k in KNOBS}
+        for key, value in kwargs.items():
+            if key in _IGNORED_CALL_KWARGS:
+                continue
+            options.pop(ALIASES.get(key, key), None)  # the call's own name replaces the field's
+            options[key] = value
+        for name in ("temperature", "do_sample", "max_new_tokens"):
+            if options.get(name, 0) is None:  # None: not set (greedy, the engine's default length)
+                del options[name]
+        if stop is not None:
+            options["stop"] = stop
+        return build_request(**inputs, **options)
 
     def _generation_info(self, result: GenerationResult) -> dict[str, Any]:
         stats = result.stats

@@ -13,8 +13,8 @@ from typing import Any
 from langchain_core.messages import BaseMessage, InvalidToolCall, ToolCall, convert_to_openai_messages
 from langchain_core.messages.tool import invalid_tool_call, tool_call
 
+from safe_engine import GenerationResult
 from safe_engine.errors import InputError, InputTypeError
-from safe_engine.shaping.tools import ToolCallParse
 
 # Content blocks that carry no text for the model but are not an error either: tool calls travel in
 # "tool_calls" (Anthropic-style "tool_use" blocks duplicate them), reasoning is not replayed.
@@ -61,10 +61,11 @@ def _text(blocks: list[Any], index: int) -> str:
     return "".join(parts)
 
 
-def langchain_tool_calls(parsed: ToolCallParse) -> tuple[list[ToolCall], list[InvalidToolCall]]:
+def langchain_tool_calls(result: GenerationResult) -> tuple[list[ToolCall], list[InvalidToolCall]]:
     """The engine's tool calls and invalid calls as LangChain's `ToolCall` / `InvalidToolCall`."""
-    calls = [tool_call(name=c["name"], args=c["arguments"], id=c["id"]) for c in parsed.tool_calls]
+    calls = [tool_call(name=c["name"], args=c["arguments"], id=c["id"]) for c in result.tool_calls or ()]
     invalid = [
-        invalid_tool_call(name=c["name"], args=c["arguments"], id=c["id"], error=c["error"]) for c in parsed.invalid
+        invalid_tool_call(name=c["name"], args=c["arguments"], id=c["id"], error=c["error"])
+        for c in result.invalid_tool_calls or ()
     ]
     return calls, invalid

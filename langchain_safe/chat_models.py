@@ -17,9 +17,9 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from safe_engine import GenerationResult, StreamEvent
+from safe_engine import GenerationResult, Request, StreamEvent
 from safe_engine.errors import ConfigError
-from safe_engine.shaping.tools import ToolCallHoldback, ToolCallParse, normalize_tool_choice
+from safe_engine.shaping.tools import normalize_tool_choice
 
 from ._base import SafeParams
 from ._messages import langchain_tool_calls, to_engine_messages
@@ -130,27 +130,16 @@ class ChatSafe(SafeParams, BaseChatModel):
         return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
 
     # -- generation ----------------------------------------------------------------------------------
-    def _request(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[dict[str, Any], ToolCallHoldback, bool]:
-        """(Ensemble.stream keyword arguments, the tool-call reader, keep only the first tool call)."""
+    def _chat_request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> Request:
+        """The engine's Request: the conversation, the bound tools (any form LangChain converts), options."""
         kwargs = dict(kwargs)
-        tools = [convert_to_openai_tool(t) for t in kwargs.pop("tools", None) or ()]
-        choice = kwargs.pop("tool_choice", None)
-        parallel = kwargs.pop("parallel_tool_calls", None)
-        json_schema = kwargs.pop("json_schema", None)
-        kwargs.pop("ls_structured_output_format", None)
-        options = self._engine_options(stop, kwargs)
-        request = {"messages": to_engine_messages(messages), **options}
-        if tools and normalize_tool_choice(choice, tools) != "none":
-            request.update(tools=tools, tool_choice=choice, parallel_tool_calls=parallel is not False)
-        if json_schema is not None:
-            request["json_schema"] = json_schema
-        return request, ToolCallHoldback(request.get("tools"), choice), parallel is False
+        if kwargs.get("tools"):
+            kwargs["tools"] = [convert_to_openai_tool(t) for t in kwargs["tools"]]
+        return self._request(stop, kwargs, messages=to_engine_messages(messages))
 
-    def _reply_fields(self, parsed: ToolCallParse, result: GenerationResult, first_only: bool) -> dict[str, Any]:
+    def _reply_fields(self, result: GenerationResult) -> dict[str, Any]:
         """tool_calls, invalid_tool_calls, usage_metadata, response_metadata of the final message."""
-        calls, invalid = langchain_tool_calls(parsed.first_call_only() if first_only else parsed)
+        calls, invalid = langchain_tool_calls(result)
         metadata = self._generation_info(result)
         metadata["model_provider"] = "safe"
         prompt, output = self._prompt_tokens(result), int(result.stats.tokens)
@@ -161,14 +150,12 @@ class ChatSafe(SafeParams, BaseChatModel):
             "response_metadata": metadata,
         }
 
-    def _chunk(self, event: StreamEvent, holdback: ToolCallHoldback, first_only: bool) -> ChatGenerationChunk | None:
+    def _chunk(self, event: StreamEvent) -> ChatGenerationChunk | None:
         """The chunk for one stream event: the content that can be shown; the last one has the calls."""
-        text = holdback.feed(event.delta)
         if event.result is None:
-            return ChatGenerationChunk(message=AIMessageChunk(content=text)) if text else None
-        text += holdback.flush()
-        fields = self._reply_fields(holdback.parsed, event.result, first_only)
-        return ChatGenerationChunk(message=AIMessageChunk(content=text, chunk_position="last", **fields))
+            return ChatGenerationChunk(message=AIMessageChunk(content=event.content)) if event.content else None
+        fields = self._reply_fields(event.result)
+        return ChatGenerationChunk(message=AIMessageChunk(content=event.content, chunk_position="last", **fields))
 
     def _stream(
         self,
@@ -177,9 +164,8 @@ class ChatSafe(SafeParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        request, holdback, first_only = self._request(messages, stop, kwargs)
-        for event in self._holder.events(**request):
-            if chunk := self._chunk(event, holdback, first_only):
+        for event in self._holder.events(self._chat_request(messages, stop, kwargs)):
+            if chunk := self._chunk(event):
                 yield chunk
 
     async def _astream(
@@ -189,9 +175,8 @@ class ChatSafe(SafeParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        request, holdback, first_only = self._request(messages, stop, kwargs)
-        async for event in await self._holder.aevents(**request):
-            if chunk := self._chunk(event, holdback, first_only):
+        async for event in await self._holder.aevents(self._chat_request(messages, stop, kwargs)):
+            if chunk := self._chunk(event):
                 yield chunk
 
     def _generate(
@@ -201,8 +186,7 @@ class ChatSafe(SafeParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        request, holdback, first_only = self._request(messages, stop, kwargs)
-        return self._chat_result(holdback, self.get_ensemble().generate(**request), first_only)
+        return self._chat_result(self.get_ensemble().generate(self._chat_request(messages, stop, kwargs)))
 
     async def _agenerate(
         self,
@@ -211,14 +195,11 @@ class ChatSafe(SafeParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        request, holdback, first_only = self._request(messages, stop, kwargs)
+        request = self._chat_request(messages, stop, kwargs)
         ensemble = await self.aget_ensemble()
-        return self._chat_result(holdback, await ensemble.agenerate(**request), first_only)
+        return self._chat_result(await ensemble.agenerate(request))
 
-    def _chat_result(self, holdback: ToolCallHoldback, result: GenerationResult, first_only: bool) -> ChatResult:
-        holdback.feed(result.text)
-        holdback.flush()
-        parsed = holdback.parsed
-        message = AIMessage(content=parsed.content, **self._reply_fields(parsed, result, first_only))
+    def _chat_result(self, result: GenerationResult) -> ChatResult:
+        message = AIMessage(content=result.content or "", **self._reply_fields(result))
         info = {k: message.response_metadata[k] for k in ("finish_reason", "model_name")}
         return ChatResult(generations=[ChatGeneration(message=message, generation_info=info)])

@@ -10,7 +10,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from safe_engine import GenerationResult, StreamEvent
+from safe_engine import GenerationResult, Request, StreamEvent
 
 from ._base import SafeParams
 
@@ -49,8 +49,7 @@ class SafeLLM(SafeParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        options = self._engine_options(stop, dict(kwargs))
-        streams = [self._holder.events(prompt, **options) for prompt in prompts]  # all start: one batch
+        streams = [self._holder.events(self._request(stop, kwargs, prompt=p)) for p in prompts]  # all start: one batch
         generations = []
         for events in streams:
             for event in events:
@@ -66,15 +65,15 @@ class SafeLLM(SafeParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        options = self._engine_options(stop, dict(kwargs))
+        requests = [self._request(stop, kwargs, prompt=p) for p in prompts]  # all checked before any starts
 
-        async def one(prompt: str) -> Generation:  # the prompts decode concurrently: one batch
-            async for event in await self._holder.aevents(prompt, **options):
+        async def one(request: Request) -> Generation:  # the prompts decode concurrently: one batch
+            async for event in await self._holder.aevents(request):
                 if event.delta and run_manager:
                     await run_manager.on_llm_new_token(event.delta)
             return self._generation(event.result)
 
-        generations = [[g] for g in await asyncio.gather(*(one(p) for p in prompts))]
+        generations = [[g] for g in await asyncio.gather(*(one(r) for r in requests))]
         return LLMResult(generations=generations, llm_output={"model_name": self.ensemble_name})
 
     def _stream(
@@ -84,8 +83,7 @@ class SafeLLM(SafeParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        options = self._engine_options(stop, dict(kwargs))
-        for event in self._holder.events(prompt, **options):
+        for event in self._holder.events(self._request(stop, kwargs, prompt=prompt)):
             chunk = self._chunk(event)
             if run_manager:
                 run_manager.on_llm_new_token(event.delta, chunk=chunk)
@@ -98,8 +96,7 @@ class SafeLLM(SafeParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        options = self._engine_options(stop, dict(kwargs))
-        async for event in await self._holder.aevents(prompt, **options):
+        async for event in await self._holder.aevents(self._request(stop, kwargs, prompt=prompt)):
             chunk = self._chunk(event)
             if run_manager:
                 await run_manager.on_llm_new_token(event.delta, chunk=chunk)

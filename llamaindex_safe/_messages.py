@@ -11,8 +11,8 @@ from typing import Any
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock, ToolCallBlock
 from llama_index.core.llms.llm import ToolSelection
 
+from safe_engine import GenerationResult
 from safe_engine.errors import InputTypeError
-from safe_engine.shaping.tools import ToolCallParse
 
 _ROLE_ALIASES = {MessageRole.CHATBOT.value: "assistant", MessageRole.MODEL.value: "assistant"}
 _MESSAGE_EXTRAS = ("tool_calls", "tool_call_id", "name")
@@ -76,16 +76,17 @@ def _untitled(schema: Any) -> Any:
     return schema
 
 
-def reply_message(parsed: ToolCallParse) -> ChatMessage:
+def reply_message(result: GenerationResult) -> ChatMessage:
     """The assistant's message: its text, then one ToolCallBlock per call (LlamaIndex's own shape); the
     calls also in OpenAI's shape in additional_kwargs["tool_calls"], where LlamaIndex's streaming
     structured output looks for them."""
     calls = [
-        ToolCallBlock(tool_call_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"]) for c in parsed.tool_calls
+        ToolCallBlock(tool_call_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"])
+        for c in result.tool_calls or ()
     ]
     extras = {"tool_calls": [_openai_call(block) for block in calls]} if calls else {}
     return ChatMessage(
-        role=MessageRole.ASSISTANT, blocks=[TextBlock(text=parsed.content), *calls], additional_kwargs=extras
+        role=MessageRole.ASSISTANT, blocks=[TextBlock(text=result.content or ""), *calls], additional_kwargs=extras
     )
 
 
@@ -100,11 +101,3 @@ def tool_selections(message: ChatMessage) -> list[ToolSelection]:
         for block in message.blocks
         if isinstance(block, ToolCallBlock)
     ]
-
-
-def keep_first_call(message: ChatMessage) -> None:
-    """For callers that run one tool per turn (allow_parallel_tool_calls=False): drop the later calls."""
-    calls = [b for b in message.blocks if isinstance(b, ToolCallBlock)]
-    message.blocks = [b for b in message.blocks if not isinstance(b, ToolCallBlock)] + calls[:1]
-    if message.additional_kwargs.get("tool_calls"):
-        message.additional_kwargs["tool_calls"] = message.additional_kwargs["tool_calls"][:1]

@@ -21,7 +21,6 @@ Thin: every algorithmic step is the engine's. Construction follows `llama-index-
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -55,25 +54,34 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import PromptTemplate
 
-from safe_engine import Ensemble, GenerationConfig, GenerationResult, ModelSpec, StreamEvent
+from safe_engine import Ensemble, GenerationResult, ModelSpec, Request, StreamEvent, build_request
 from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, ToolCallError, from_validation_error
-from safe_engine.knobs import KNOB_NAMES, adapted, aliases
+from safe_engine.knobs import KNOB_NAMES, adapted
 from safe_engine.runtime.members import peek_spec
-from safe_engine.shaping.tools import ToolCallHoldback, normalize_tool_choice
+from safe_engine.shaping.request import ALIASES
 
-from ._messages import engine_message, keep_first_call, reply_message, tool_schema, tool_selections
+from ._messages import engine_message, reply_message, tool_schema, tool_selections
 
 #: Names of the engine's generation options; per-call keyword arguments with these names override fields.
 GENERATION_OPTIONS: tuple[str, ...] = KNOB_NAMES
 # GenerationConfig's fields, with LlamaIndex's conventions: stop strings as a list, `timeout` in seconds.
 _KNOBS = adapted(
     {
+        "temperature": {
+            "type": float | None,
+            "default": None,
+            "doc": "sampling temperature; None or 0 means greedy decoding (the SAFE default)",
+        },
+        "do_sample": {
+            "type": bool | None,
+            "default": None,
+            "doc": "sample instead of greedy decoding; None: sample exactly when temperature > 0",
+        },
         "stop": {"type": list[str], "default": [], "doc": "stop strings (excluded from the output)"},
         "timeout_s": {"alias": "timeout", "doc": "wall-clock limit of one generation in seconds (alias timeout)"},
     }
 )
-_ALIASES = aliases(_KNOBS)  # timeout -> timeout_s
 _GenerationKnobs: type[BaseModel] = create_model(
     "GenerationKnobs", **{k.name: (k.type, Field(k.default, alias=k.alias, description=k.doc)) for k in _KNOBS}
 )
@@ -173,7 +181,7 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
 
     @model_validator(mode="after")
     def _check_options(self) -> SafeLLM:
-        GenerationConfig(**self._field_options())  # the engine's own checks, at construction time
+        self._request({}, prompt=" ")  # the engine's own checks, at construction time
         return self
 
     @classmethod
@@ -240,22 +248,19 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
         return self._peeked
 
     # -- options and prompts --------------------------------------------------------------------------------
-    def _field_options(self) -> dict[str, Any]:
-        options = {name: getattr(self, name) for name in GENERATION_OPTIONS}
+    def _request(self, kwargs: dict[str, Any], **inputs: Any) -> Request:
+        """The engine's `Request` for one call: the fields, overridden by the call's options (any
+        `build_request` keyword, under the engine's shared semantics: temperature 0 = greedy, max_tokens,
+        timeout), for the prompt or messages in `inputs`."""
+        options: dict[str, Any] = {name: getattr(self, name) for name in GENERATION_OPTIONS}
         options["stop"] = tuple(self.stop)
-        return options
-
-    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        options = self._field_options()
-        given = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
-        unknown = sorted(k for k in given if k not in GENERATION_OPTIONS)
-        if unknown:
-            warnings.warn(
-                f"SafeLLM ignores unknown option(s) {unknown}; generation options are {list(GENERATION_OPTIONS)}",
-                stacklevel=4,
-            )
-        options.update({k: v for k, v in given.items() if k in GENERATION_OPTIONS})
-        return options
+        for key, value in kwargs.items():
+            options.pop(ALIASES.get(key, key), None)  # the call's own name replaces the field's
+            options[key] = value
+        for name in ("temperature", "do_sample"):
+            if options.get(name, 0) is None:  # None: not set (greedy unless a temperature > 0 is given)
+                del options[name]
+        return build_request(**inputs, **options)
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
         return prompt if formatted else self.completion_to_prompt(prompt)
@@ -263,29 +268,23 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
     def _uses_custom_messages_to_prompt(self) -> bool:
         return self.messages_to_prompt is not generic_messages_to_prompt
 
-    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> tuple[dict, ToolCallHoldback]:
-        """(engine arguments, the tool-call reader) for a conversation: `messages=` for the members' own
-        templates, or the user's `messages_to_prompt` rendering as a raw prompt. Consumes the tool kwargs."""
-        tools = [tool_schema(t) for t in kwargs.pop("tools", None) or ()]
-        choice = kwargs.pop("tool_choice", None)
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> Request:
+        """The engine's Request for a conversation: `messages=` for the members' own templates, or the user's
+        `messages_to_prompt` rendering as a raw prompt."""
+        kwargs = dict(kwargs)
+        if kwargs.get("tools"):
+            kwargs["tools"] = [tool_schema(t) for t in kwargs["tools"]]
         if self._uses_custom_messages_to_prompt():
-            if tools:
+            if kwargs.get("tools"):
                 raise ConfigError(
                     "tools are shown to each member through its own chat template, which a custom "
                     "messages_to_prompt replaces; drop messages_to_prompt to call tools"
                 )
-            return {"prompt": self.messages_to_prompt(messages), **self._options(kwargs)}, ToolCallHoldback(None)
+            return self._request(kwargs, prompt=self.messages_to_prompt(messages))
         converted = [engine_message(m) for m in messages]
         if self.system_prompt and not (converted and converted[0]["role"] == "system"):
             converted.insert(0, {"role": "system", "content": self.system_prompt})
-        json_schema = kwargs.pop("json_schema", None)
-        parallel = kwargs.pop("parallel_tool_calls", True)
-        request = {"messages": converted, **self._options(kwargs)}
-        if tools and normalize_tool_choice(choice, tools) != "none":
-            request.update(tools=tools, tool_choice=choice, parallel_tool_calls=parallel)
-        if json_schema is not None:
-            request["json_schema"] = json_schema
-        return request, ToolCallHoldback(request.get("tools"), choice)
+        return self._request(kwargs, messages=converted)
 
     # -- responses ---------------------------------------------------------------------------------------------
     def _extras(self, result: GenerationResult | None) -> dict[str, Any]:
@@ -307,21 +306,17 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
     def _completion(self, result: GenerationResult) -> CompletionResponse:
         return CompletionResponse(text=result.text, **self._extras(result))
 
-    def _chat(self, result: GenerationResult, reader: ToolCallHoldback) -> ChatResponse:
-        reader.feed(result.text)
-        reader.flush()
-        return self._chat_response(reader, reader.parsed.content, "", result)
+    def _chat(self, result: GenerationResult) -> ChatResponse:
+        return self._chat_response(result.content or "", "", result)
 
-    def _chat_response(
-        self, reader: ToolCallHoldback, text: str, delta: str, result: GenerationResult | None
-    ) -> ChatResponse:
+    def _chat_response(self, text: str, delta: str, result: GenerationResult | None) -> ChatResponse:
         """A reply so far (the last one with its tool calls, and the invalid ones in raw)."""
         if result is None:
             return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
         extras = self._extras(result)
-        if reader.parsed.invalid:
-            extras["raw"]["invalid_tool_calls"] = reader.parsed.invalid
-        return ChatResponse(message=reply_message(reader.parsed), delta=delta, **extras)
+        if result.invalid_tool_calls:
+            extras["raw"]["invalid_tool_calls"] = result.invalid_tool_calls
+        return ChatResponse(message=reply_message(result), delta=delta, **extras)
 
     def _completions(self, events: Iterator[StreamEvent]) -> CompletionResponseGen:
         text = ""
@@ -335,75 +330,69 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
             text += event.delta
             yield CompletionResponse(text=text, delta=event.delta, **self._extras(event.result))
 
-    def _chats(self, events: Iterator[StreamEvent], reader: ToolCallHoldback) -> ChatResponseGen:
+    def _chats(self, events: Iterator[StreamEvent]) -> ChatResponseGen:
         text = ""
         for event in events:
-            if response := self._chat_chunk(event, reader, text):
+            if response := self._chat_chunk(event, text):
                 text = response.message.content or ""
                 yield response
 
-    async def _achats(self, events: AsyncIterator[StreamEvent], reader: ToolCallHoldback) -> ChatResponseAsyncGen:
+    async def _achats(self, events: AsyncIterator[StreamEvent]) -> ChatResponseAsyncGen:
         text = ""
         async for event in events:
-            if response := self._chat_chunk(event, reader, text):
+            if response := self._chat_chunk(event, text):
                 text = response.message.content or ""
                 yield response
 
-    def _chat_chunk(self, event: StreamEvent, reader: ToolCallHoldback, text: str) -> ChatResponse | None:
+    def _chat_chunk(self, event: StreamEvent, text: str) -> ChatResponse | None:
         """The streamed reply after one event: only text that cannot turn into a tool call is shown."""
-        delta = reader.feed(event.delta)
-        if event.result is not None:
-            delta += reader.flush()
-        elif not delta:
+        if event.result is None and not event.content:
             return None
-        return self._chat_response(reader, text + delta, delta, event.result)
+        return self._chat_response(text + event.content, event.content, event.result)
 
     # -- sync API ------------------------------------------------------------------------------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         """Raw completion of `prompt` (after `completion_to_prompt` unless `formatted`)."""
-        prompt = self._completion_prompt(prompt, formatted)
-        return self._completion(self.ensemble.generate(prompt, **self._options(kwargs)))
+        request = self._request(kwargs, prompt=self._completion_prompt(prompt, formatted))
+        return self._completion(self.ensemble.generate(request))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         """Stream of `CompletionResponse(text=<verified text so far>, delta=<new verified text>)`."""
-        prompt = self._completion_prompt(prompt, formatted)
-        return self._completions(self._holder.events(prompt, **self._options(kwargs)))  # starts (and checks) now
+        request = self._request(kwargs, prompt=self._completion_prompt(prompt, formatted))
+        return self._completions(self._holder.events(request))  # starts (and checks) now
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """The assistant's reply, each member reading the conversation through its own chat template."""
-        request, reader = self._chat_request(messages, kwargs)
-        return self._chat(self.ensemble.generate(**request), reader)
+        return self._chat(self.ensemble.generate(self._chat_request(messages, kwargs)))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        request, reader = self._chat_request(messages, kwargs)
-        return self._chats(self._holder.events(**request), reader)
+        return self._chats(self._holder.events(self._chat_request(messages, kwargs)))
 
     # -- async API: loading and tokenisation run in worker threads ----------------------------------------------
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        prompt = self._completion_prompt(prompt, formatted)
+        request = self._request(kwargs, prompt=self._completion_prompt(prompt, formatted))
         ensemble = await self._holder.aget()
-        return self._completion(await ensemble.agenerate(prompt, **self._options(kwargs)))
+        return self._completion(await ensemble.agenerate(request))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        prompt = self._completion_prompt(prompt, formatted)
-        return self._acompletions(await self._holder.aevents(prompt, **self._options(kwargs)))
+        request = self._request(kwargs, prompt=self._completion_prompt(prompt, formatted))
+        return self._acompletions(await self._holder.aevents(request))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        request, reader = self._chat_request(messages, kwargs)
+        request = self._chat_request(messages, kwargs)
         ensemble = await self._holder.aget()
-        return self._chat(await ensemble.agenerate(**request), reader)
+        return self._chat(await ensemble.agenerate(request))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        request, reader = self._chat_request(messages, kwargs)
-        return self._achats(await self._holder.aevents(**request), reader)
+        return self._achats(await self._holder.aevents(self._chat_request(messages, kwargs)))
 
     # -- structured output ---------------------------------------------------------------------------------------
     def structured_predict(
@@ -457,13 +446,6 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
             "parallel_tool_calls": allow_parallel_tool_calls,
             **kwargs,
         }
-
-    def _validate_chat_with_tools_response(
-        self, response: ChatResponse, tools: Sequence[Any], allow_parallel_tool_calls: bool = False, **kwargs: Any
-    ) -> ChatResponse:
-        if not allow_parallel_tool_calls:
-            keep_first_call(response.message)
-        return response
 
     def get_tool_calls_from_response(
         self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any

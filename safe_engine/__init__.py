@@ -1,7 +1,7 @@
 """SAFE: Stable And Fast LLM Ensembling over causal LMs with different tokenizers."""
 
 from .config import GenerationConfig
-from .engine.ensemble import AsyncTextStream, Ensemble, StreamEvent, TextStream
+from .engine.ensemble import AsyncTextStream, Ensemble, TextStream
 from .errors import (
     ChatTemplateError,
     ChecksumError,
@@ -15,6 +15,8 @@ from .errors import (
     ToolCallError,
 )
 from .runtime.members import Member, ModelSpec
+from .shaping.reply import StreamEvent
+from .shaping.request import Request, build_request
 from .stats import EnsemblePoint, EnsembleStats, GenerationResult
 
 __all__ = [
@@ -34,9 +36,11 @@ __all__ = [
     "MemberError",
     "ModelLoadError",
     "ModelSpec",
+    "Request",
     "SafeEngineError",
     "StreamEvent",
     "TextStream",
     "ToolCallError",
+    "build_request",
 ]
 __version__ = "0.1.0"

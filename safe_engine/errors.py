@@ -10,7 +10,15 @@ from typing import Any
 
 
 class SafeEngineError(Exception):
-    """Base class of every error raised deliberately by safe_engine."""
+    """Base class of every error raised deliberately by safe_engine.
+
+    `option`: the request option at fault, as the caller spelled it (a door reports it: the server as the
+    error's `param`), or None.
+    """
+
+    def __init__(self, *args: Any, option: str | None = None) -> None:
+        super().__init__(*args)
+        self.option = option
 
 
 class ConfigError(SafeEngineError, ValueError):

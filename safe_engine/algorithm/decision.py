@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import GenerationConfig
+from ..errors import ConfigError
 from ..runtime.members import Member
 from ..runtime.rows import Draws, Row, race_sample
 from ..shaping.constrained import Constraint, mask_distribution
@@ -108,7 +109,7 @@ class Judge:
         With a cut token the consensus gate knows only bounds: P(own) lies in [0, mass of the consistent
         tokens]. Where the bounds already decide it, it is decided now; otherwise the verdict is DEFER."""
         cfg = self.config
-        ran = ("boundary",) if "boundary" in self.gates else ()
+        ran: tuple[str, ...] = ("boundary",) if "boundary" in self.gates else ()
         if cfg.aggregation == "gac":
             ran += ("gac",)
             if self.drafter_confident(rows[0]):
@@ -139,10 +140,12 @@ class Judge:
         )
         strings, target = self._target(dist, scores)
         if constrain is not None:
-            union = self.union is not None and strings is self.union.strings
-            target = mask_distribution(self.union.candidates(drafter) if union else strings, target, constrain())
-            if target is None:
+            union = self.union if self.union is not None and strings is self.union.strings else None
+            masked = mask_distribution(union.candidates(drafter) if union is not None else strings, target, constrain())
+            if masked is None:
                 return SKIP  # the grammar allows none of them: the drafted token (drawn under the mask) stands
+            target = masked
+        choice: bytes | None
         if not cfg.do_sample:
             choice = strings[int(torch.argmax(target))]
         elif consensus:
@@ -170,7 +173,7 @@ class Judge:
 
     def _distribution(self, rows: Sequence[Row]) -> Distribution:
         if self.config.aggregation == "gac":
-            return self.union.gac(self.members, rows, self.weights)
+            return self._union().gac(self.members, rows, self.weights)
         return unite(self.members, rows, self.weights, self.config.top_k)
 
     def _target(self, dist: Distribution, scores: torch.Tensor | None) -> tuple[list[bytes], torch.Tensor]:
@@ -179,8 +182,14 @@ class Judge:
         if scores is not None:
             return dist.strings, (scores / scores.sum()).double()
         if dist.union_probs is not None:
-            return self.union.strings, dist.union_probs.double()
+            return self._union().strings, dist.union_probs.double()
         return dist.strings, dist.probs.double()
+
+    def _union(self) -> UnionVocab:
+        """GaC's union vocabulary, which a request aggregating with GaC is always given."""
+        if self.union is None:
+            raise ConfigError("aggregation='gac' needs the members' union vocabulary, and this request has none")
+        return self.union
 
     def _speculative(
         self, strings: list[bytes], target: torch.Tensor, drafter_row: Row, drafted: bytes | None, position: int

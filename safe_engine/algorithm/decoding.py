@@ -27,19 +27,18 @@ import contextlib
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from ..config import GenerationConfig
-from ..errors import GenerationTimeout, InputError
+from ..errors import ConfigError, GenerationTimeout, InputError
 from ..runtime.members import Job, Member, Track
 from ..runtime.rows import Draws, Row
 from ..shaping.constrained import Constraint
-from ..shaping.tools import parse_tool_calls
+from ..shaping.request import Request
 from ..stats import EnsemblePoint, EnsembleStats, GenerationResult
 from .aggregation import Pick, UnionVocab, eos_ids, token_string
 from .alignment import Verification
@@ -72,50 +71,60 @@ class Draft:
         return len(self.ids)
 
 
+@dataclass
+class Lineup:
+    """The ensemble as one request's decoding sees it: the members, their names and weights, the drafter's
+    index, and what the ensemble's requests share (a thread pool for forwards of different members at once,
+    the overlap gauge, GaC's union vocabulary, built on first use)."""
+
+    members: Sequence[Member]
+    names: Sequence[str]
+    drafter: int
+    weights: torch.Tensor
+    executor: Executor | None = None  # runs forwards of different members at once (overlap, devices)
+    parallel_members: bool = False  # the verifiers sit on different devices: score them concurrently
+    overlap_gauge: OverlapGauge | None = None  # given when a free core or device exists (schedule="auto")
+    union: Callable[[], UnionVocab] | None = None  # GaC's union vocabulary of the members
+
+
 class Generation:
     """One request decoded by the ensemble; `step()` runs one round and returns whether it finished."""
 
-    def __init__(
-        self,
-        members: Sequence[Member],
-        names: Sequence[str],
-        prompt_ids: Sequence[list[int]],
-        drafter: int,
-        weights: torch.Tensor,
-        config: GenerationConfig,
-        union: UnionVocab | None = None,
-        executor: Executor | None = None,
-        parallel_members: bool = False,
-        overlap_gauge: OverlapGauge | None = None,
-        constraint: Constraint | None = None,
-        tools: Sequence[dict] | None = None,
-        tool_choice: Any = None,
-    ) -> None:
-        """`executor` runs forwards of different members at once: always for the overlap schedule, and for
-        verifiers when `parallel_members` (they sit on different devices). `overlap_gauge`: given when a
-        free core or device exists, so schedule="auto" may overlap while the gauge finds it pays.
-        `constraint`: a grammar over the drafter's ids that the output must follow (the drafter drafts under
-        its mask, the ensemble picks only what it allows); it always holds the accepted ids plus the current
-        draft."""
-        self.config = config
-        self.constraint = constraint
-        self.tools, self.tool_choice = tools, tool_choice  # to read the calls back out of the text
-        method = config.method if len(members) > 1 else "single"
-        note = "one member: decoded as single" if len(members) == 1 and config.method != "single" else ""
-        self.method = method
+    def __init__(self, lineup: Lineup, request: Request) -> None:
+        """The request's strategy is resolved here, once; each active member tokenizes the request its own
+        way. A grammar (`request.grammar`) becomes a `Constraint` over the drafter's ids that the output
+        must follow (the drafter drafts under its mask, the ensemble picks only what it allows); it always
+        holds the accepted ids plus the current draft."""
+        config = request.config
+        members, drafter = lineup.members, lineup.drafter
+        self.request, self.config = request, config
+        self.strategy = strategy = config.strategy(len(members))
         order = [drafter] + [i for i in range(len(members)) if i != drafter]
-        active = order if method != "single" else [drafter]
-        self.tracks = [Track(members[i], prompt_ids[i], names[i]) for i in active]
-        self.gates = config.active_gates if method != "single" else ()
-        self.executor = executor
-        self.parallel_members = parallel_members
-        self.overlap_gauge = overlap_gauge
+        active = order if strategy.ensembles else [drafter]
+        if strategy.full_vocabulary and any(getattr(members[i], "is_remote", False) for i in active):
+            raise ConfigError(
+                "aggregation='gac' needs every member's full next-token distribution, which never leaves a Ray "
+                "actor (GaC is local-only); use aggregation='unite' with Ray members"
+            )
+        self.constraint: Constraint | None = None
+        if request.grammar is not None:
+            if getattr(members[drafter], "is_remote", False):
+                raise ConfigError(
+                    "constrained output (tools, json_schema) masks the drafter's logits, which stay in its Ray "
+                    "actor; use a local drafter"
+                )
+            self.constraint = Constraint(request.grammar, members[drafter])
+        self.tracks = [Track(members[i], request.encode(members[i]), lineup.names[i]) for i in active]
+        self.gates = strategy.gates
+        self.executor = lineup.executor
+        self.parallel_members = lineup.parallel_members
+        self.overlap_gauge = lineup.overlap_gauge
         self.draft_length = config.draft_length  # adapted per round with `adaptive_draft`
         self.draws = Draws(config.seed)
-        active_weights = weights[active] / weights[active].sum()
-        self.judge = Judge([t.member for t in self.tracks], active_weights, config, union, self.draws)
-        gates = self.gates + (("gac",) if config.aggregation == "gac" and method != "single" else ())
-        self.stats = EnsembleStats(method=method, gates=gates, note=note)
+        weights = lineup.weights[active] / lineup.weights[active].sum()
+        union = lineup.union() if strategy.full_vocabulary and lineup.union is not None else None
+        self.judge = Judge([t.member for t in self.tracks], weights, config, union, self.draws)
+        self.stats = EnsembleStats(method=strategy.method, gates=strategy.labels, note=strategy.note)
         self.stats.prompt_tokens = {t.name: t.prompt_len for t in self.tracks}
         self.trace: list[EnsemblePoint] | None = [] if config.trace else None
         self.buffer = TextBuffer(config.stop)
@@ -166,10 +175,11 @@ class Generation:
     @property
     def can_overlap(self) -> bool:
         """Whether this request's next round may use the overlap schedule (decided per round)."""
-        if not self.gates or self.executor is None or self.config.schedule == "rounds":
+        schedule = self.strategy.schedule
+        if not self.gates or self.executor is None or schedule == "rounds":
             return False
         gauge = self.overlap_gauge
-        return self.config.schedule == "overlap" or (gauge is not None and gauge.prefers_overlap)
+        return schedule == "overlap" or (gauge is not None and gauge.prefers_overlap)
 
     def begin_round(self, overlap: bool = False, batched: bool = False) -> None:
         """Start a round: the carried tokens become the draft; up to n new ones follow (1 without gates, and in
@@ -256,7 +266,7 @@ class Generation:
         the verifiers say (GaC with a confident drafter everywhere). Without gates (every-token ensembling)
         a verifier reads only the accepted text, as it would generating alone; otherwise also the draft."""
         draft = self.draft
-        if self.method == "single" or all(self.judge.drafter_confident(row) for row in draft.rows):
+        if not self.strategy.ensembles or all(self.judge.drafter_confident(row) for row in draft.rows):
             return []
         drafter = self.drafter
         accepted = bytes(self.buffer.data)
@@ -408,7 +418,7 @@ class Generation:
         if single is not None:
             return [single]
         ids = member.vocab.encode(pick.text)[0]
-        return ids[:1] if self.config.aggregation == "unite" else ids
+        return ids[:1] if self.strategy.aggregation == "unite" else ids
 
     def _commit_points(self, accepted: int) -> None:
         """Count this round's ensemble points among the `accepted` tokens (a stop string may end the text
@@ -492,16 +502,9 @@ class Generation:
             track.release()
 
     def result(self) -> GenerationResult:
-        """The finished request's result (with tools: the calls read back out of its text)."""
-        result = GenerationResult(self.text, self.finish_reason, self.stats, self.trace)
-        if self.tools:
-            parsed = parse_tool_calls(self.text, self.tools, self.tool_choice)
-            result.tool_calls, result.content, result.invalid_tool_calls = (
-                parsed.tool_calls,
-                parsed.content,
-                parsed.invalid,
-            )
-        return result
+        """The finished request's result (its content and tool calls are the reply's: `shaping.reply`)."""
+        assert self.finish_reason is not None
+        return GenerationResult(self.text, self.finish_reason, self.stats, self.trace)
 
     def visible_text(self) -> str:
         """Text that no later round can change: all of it once finished, else minus a possible stop prefix."""

@@ -3,25 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..algorithm.aggregation import UnionVocab
-from ..algorithm.decoding import Generation, OverlapGauge
-from ..config import GenerationConfig
+from ..algorithm.decoding import Generation, Lineup, OverlapGauge
 from ..errors import ConfigError, InputError, InputTypeError
 from ..runtime.members import Member, ModelSpec, check_device, load_member, unique_names
-from ..shaping.chat import chat_prompt_ids, check_text, validate_messages
-from ..shaping.constrained import Constraint, Grammar, schema_dict
-from ..shaping.tools import with_tool_choice
+from ..shaping.reply import StreamEvent
+from ..shaping.request import Request, build_request
 from ..stats import EnsembleStats, GenerationResult
 from .scheduler import Scheduler, Ticket, collect
 
@@ -65,6 +61,20 @@ class Ensemble:
     @property
     def max_batch_size(self) -> int:
         return self._scheduler.max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, size: int) -> None:
+        self._scheduler.max_batch_size = Scheduler(size).max_batch_size  # validated as at construction
+
+    @property
+    def running_requests(self) -> int:
+        """Requests being decoded now."""
+        return self._scheduler.running
+
+    @property
+    def waiting_requests(self) -> int:
+        """Requests waiting for a free slot in the batch."""
+        return self._scheduler.waiting
 
     @property
     def open_requests(self) -> int:
@@ -153,53 +163,48 @@ class Ensemble:
         return f"Ensemble({self.names}, drafter={self.names[self.drafter_index]!r})"
 
     # -- public generation API --------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[dict[str, Any]] | None = None,
-        tools: Sequence[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        json_schema: Mapping[str, Any] | str | None = None,
-        config: GenerationConfig | None = None,
-        **options: Any,
-    ) -> GenerationResult:
+    # Each method takes a `Request` (from `request`, or `safe_engine.shaping.request.build_request`), or
+    # the same arguments as `request`: a prompt or messages=, tools=, tool_choice=, parallel_tool_calls=,
+    # json_schema= / response_format=, config= and GenerationConfig fields (and their aliases) as keywords.
+    def request(self, prompt: str | Request | None = None, **kwargs: Any) -> Request:
+        """The checked `Request` for these arguments (see `build_request`); a Request passes through."""
+        if isinstance(prompt, Request):
+            if kwargs:
+                raise InputError(f"pass a Request alone or the request's arguments, not both (got {sorted(kwargs)})")
+            return prompt
+        return build_request(prompt, **kwargs)
+
+    def generate(self, prompt: str | Request | None = None, **kwargs: Any) -> GenerationResult:
         """Generate a completion of `prompt`, or the assistant's reply to `messages`.
 
         `tools` (OpenAI-style JSON schemas) with `tool_choice` ("auto": text or valid calls, "required",
-        "none" or a tool name; `parallel_tool_calls=False`: one call at most) or `json_schema` constrain
-        the output with a grammar (`constrained`), whichever member proposed the text; the result's
-        `tool_calls` are the calls read back. Every GenerationConfig field is a keyword too."""
-        options = {**options, "tool_choice": tool_choice, "json_schema": json_schema}
-        ticket = self._scheduler.submit(self._start(prompt, messages, tools, config, options))
+        "none" or a tool name; `parallel_tool_calls=False`: one call at most) or `json_schema` /
+        `response_format` constrain the output with a grammar (`shaping.constrained`), whichever member
+        proposed the text; the result's `tool_calls` are the calls read back."""
+        ticket = self._scheduler.submit(self._start(self.request(prompt, **kwargs)))
         try:
             return collect(ticket)
         finally:
             ticket.cancel()  # a no-op once it is over; after an interrupt (Ctrl-C) the request stops too
 
     def generate_batch(
-        self,
-        requests: Sequence[str | Sequence[dict[str, Any]]],
-        *,
-        tools: Sequence[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        json_schema: Mapping[str, Any] | str | None = None,
-        config: GenerationConfig | None = None,
-        **options: Any,
+        self, requests: Sequence[str | Sequence[dict[str, Any]] | Request], **kwargs: Any
     ) -> list[GenerationResult]:
-        """Generate for many requests at once (each a prompt string or a messages list), decoded together.
+        """Generate for many requests at once (each a prompt string, a messages list or a Request), decoded
+        together; `kwargs` apply to every string and messages list.
 
         Every request is checked before any starts; if one fails while decoding, the others are cancelled
         and its error is raised."""
         if isinstance(requests, str | bytes) or not isinstance(requests, Sequence):
             raise InputTypeError("requests must be a list of prompt strings or message lists")
-        options = {**options, "tool_choice": tool_choice, "json_schema": json_schema}
         started = []
-        for request in requests:
-            if isinstance(request, str):
-                started.append(self._start(request, None, tools, config, options))
+        for item in requests:
+            if isinstance(item, Request):
+                started.append(self._start(self.request(item)))
+            elif isinstance(item, str):
+                started.append(self._start(self.request(item, **kwargs)))
             else:
-                started.append(self._start(None, request, tools, config, options))
+                started.append(self._start(self.request(messages=item, **kwargs)))
         tickets = [self._scheduler.submit(gen) for gen in started]
         try:
             return [collect(t) for t in tickets]
@@ -207,90 +212,39 @@ class Ensemble:
             for t in tickets:
                 t.cancel()  # a no-op for finished requests
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[dict[str, Any]] | None = None,
-        tools: Sequence[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        json_schema: Mapping[str, Any] | str | None = None,
-        config: GenerationConfig | None = None,
-        **options: Any,
-    ) -> TextStream:
-        """Iterator of verified text deltas; `.result` holds the GenerationResult once exhausted."""
-        options = {**options, "tool_choice": tool_choice, "json_schema": json_schema}
-        return TextStream(self._scheduler.submit(self._start(prompt, messages, tools, config, options)))
+    def stream(self, prompt: str | Request | None = None, **kwargs: Any) -> TextStream:
+        """Iterator of verified text deltas; `.events()` gives the `StreamEvent`s (content with tool calls held
+        back, the result last); `.result` holds the GenerationResult once exhausted."""
+        return TextStream(self._scheduler.submit(self._start(self.request(prompt, **kwargs))))
 
-    async def agenerate(self, prompt: str | None = None, **kwargs: Any) -> GenerationResult:
+    async def agenerate(self, prompt: str | Request | None = None, **kwargs: Any) -> GenerationResult:
         """`generate` off the event loop; cancelling the awaiting task stops decoding after the round."""
         stream = self.astream(prompt, **kwargs)
         async for _ in stream:
             pass
+        assert stream.result is not None
         return stream.result
 
-    def astream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[dict[str, Any]] | None = None,
-        tools: Sequence[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        json_schema: Mapping[str, Any] | str | None = None,
-        config: GenerationConfig | None = None,
-        **options: Any,
-    ) -> AsyncTextStream:
-        """Async iterator of verified deltas; tokenizing runs in a worker thread, decoding in the scheduler's."""
-        options = {**options, "tool_choice": tool_choice, "json_schema": json_schema}
-        return AsyncTextStream(lambda: self._start(prompt, messages, tools, config, options), self._scheduler)
+    def astream(self, prompt: str | Request | None = None, **kwargs: Any) -> AsyncTextStream:
+        """Async iterator of verified deltas; the request is checked now, tokenized in a worker thread and
+        decoded in the scheduler's."""
+        request = self.request(prompt, **kwargs)
+        return AsyncTextStream(lambda: self._start(request), self._scheduler)
 
     # -- internals --------------------------------------------------------------------------------------
-    def _start(self, prompt, messages, tools, config, options) -> Generation:
-        if config is not None and not isinstance(config, GenerationConfig):
-            raise InputTypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
-        options = dict(options)
-        tool_choice, json_schema = options.pop("tool_choice", None), options.pop("json_schema", None)
-        parallel = options.pop("parallel_tool_calls", True)
-        if not isinstance(parallel, bool):
-            raise ConfigError(f"parallel_tool_calls must be True or False, got {parallel!r}")
-        config = (config or GenerationConfig()).updated(**options) if options else (config or GenerationConfig())
-        if tools is not None and not tools:
-            tools = None
-        if messages is not None and tools:  # "none" hides the tools; "required" / a name asks for the call
-            messages, tools = with_tool_choice(validate_messages(messages), tools, tool_choice)
-        grammar = Grammar.for_request(json_schema, tools, tool_choice, parallel)
-        if grammar is not None and json_schema is not None and messages is not None:
-            messages = _ask_for_json(validate_messages(messages), json_schema)
-        constraint = None
-        if grammar is not None:
-            if getattr(self.drafter, "is_remote", False):
-                raise ConfigError(
-                    "constrained output (tools, json_schema) masks the drafter's logits, which stay in its Ray actor; "
-                    "use a local drafter"
-                )
-            constraint = Constraint(grammar, self.drafter)
-        gac = config.aggregation == "gac" and config.method != "single" and len(self.members) > 1
-        if gac and any(getattr(m, "is_remote", False) for m in self.members):
-            raise ConfigError(
-                "aggregation='gac' needs every member's full next-token distribution, which never leaves a Ray "
-                "actor (GaC is local-only); use aggregation='unite' with Ray members"
-            )
-        prompts = self._prompt_ids(prompt, messages, tools, config)
-        union = self._union_vocab() if config.aggregation == "gac" and config.method != "single" else None
-        return Generation(
+    def _start(self, request: Request) -> Generation:
+        return Generation(self._lineup(), request)
+
+    def _lineup(self) -> Lineup:
+        return Lineup(
             self.members,
             self.names,
-            prompts,
             self.drafter_index,
             self.weights,
-            config,
-            union,
             self._executor,
             self._parallel_members,
             self._overlap_gauge if self._spare_capacity() else None,
-            constraint,
-            tools,
-            tool_choice,
+            self._union_vocab,
         )
 
     def _spare_capacity(self) -> bool:
@@ -302,38 +256,11 @@ class Ensemble:
         on_cpu = isinstance(self.drafter.device, torch.device) and self.drafter.device.type == "cpu"
         return on_cpu and (os.cpu_count() or 1) >= 2 * torch.get_num_threads()
 
-    def _prompt_ids(self, prompt, messages, tools, config: GenerationConfig) -> list[list[int]]:
-        if (prompt is None) == (messages is None):
-            raise InputError("pass exactly one of a prompt string or messages=[...]")
-        members = [self.drafter] if config.method == "single" else self.members
-        if messages is not None:
-            checked = validate_messages(messages)
-            ids = {id(m): chat_prompt_ids(m, checked, list(tools) if tools else None) for m in members}
-        else:
-            if not isinstance(prompt, str):
-                raise InputTypeError(f"prompt must be a str, got {type(prompt).__name__}; for chat use messages=")
-            if not prompt:
-                raise InputError("prompt is empty; pass some text to continue")
-            check_text(prompt, "the prompt")
-            ids = {id(m): m.prompt_ids(prompt) for m in members}
-        for m in members:
-            if not ids[id(m)]:
-                raise InputError(f"the prompt encodes to no tokens for member {m.name!r}; pass a non-empty prompt")
-        return [ids.get(id(m), []) for m in self.members]
-
     def _union_vocab(self) -> UnionVocab:
         with self._lock:
             if self._union is None:
                 self._union = UnionVocab(self.members)
             return self._union
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    """One step of a stream: a delta of verified text; the last event also carries the result."""
-
-    delta: str
-    result: GenerationResult | None = None
 
 
 class TextStream:
@@ -342,6 +269,7 @@ class TextStream:
 
     def __init__(self, ticket: Ticket) -> None:
         self._ticket = ticket
+        self._events = ticket.events()
         self._closed = False
         self.result: GenerationResult | None = None
 
@@ -349,13 +277,7 @@ class TextStream:
         return self
 
     def __next__(self) -> str:
-        if self._closed and self.result is None:
-            raise InputError("this stream was closed and its generation cancelled; start a new one")
-        while self.result is None:
-            event = self._ticket.get()
-            if event.error is not None:
-                raise event.error
-            self.result = event.result
+        for event in self.events():
             if event.delta:
                 return event.delta
         raise StopIteration
@@ -366,17 +288,13 @@ class TextStream:
         return self._ticket.generation.stats
 
     def events(self) -> Iterator[StreamEvent]:
-        """The deltas as `StreamEvent`s, as soon as each is verified; the last one carries the result (its
-        delta may be empty)."""
-        while self.result is None:
-            if self._closed:
-                raise InputError("this stream was closed and its generation cancelled; start a new one")
-            event = self._ticket.get()
-            if event.error is not None:
-                raise event.error
+        """The `StreamEvent`s, as soon as each is verified; the last one carries the result (its delta may be
+        empty). Shares its position with the text iterator."""
+        if self._closed and self.result is None:
+            raise InputError("this stream was closed and its generation cancelled; start a new one")
+        for event in self._events:
             self.result = event.result
-            if event.delta or event.result is not None:
-                yield StreamEvent(event.delta, event.result)
+            yield event
 
     def close(self) -> None:
         """Abandon the request (also called when the stream is garbage collected)."""
@@ -414,19 +332,21 @@ class AsyncTextStream:
         """The request's statistics so far (None before the first delta was asked for)."""
         return self._ticket.generation.stats if self._ticket is not None else None
 
+    async def start(self) -> None:
+        """Tokenize and submit the request now (a worker thread tokenizes), so that an input the members
+        refuse (too long for a context window, ...) raises here; `events` starts it otherwise."""
+        if self._ticket is None:
+            generation = await asyncio.to_thread(self._start)
+            self._ticket = self._scheduler.submit(generation, asyncio.get_running_loop())
+
     async def events(self) -> AsyncIterator[StreamEvent]:
-        """The deltas as `StreamEvent`s, as soon as each is verified; the last one carries the result."""
+        """The `StreamEvent`s, as soon as each is verified; the last one carries the result."""
         try:
-            if self._ticket is None:
-                generation = await asyncio.to_thread(self._start)
-                self._ticket = self._scheduler.submit(generation, asyncio.get_running_loop())
-            while self.result is None:
-                event = await self._ticket.aget()
-                if event.error is not None:
-                    raise event.error
+            await self.start()
+            assert self._ticket is not None
+            async for event in self._ticket.aevents():
                 self.result = event.result
-                if event.delta or event.result is not None:
-                    yield StreamEvent(event.delta, event.result)
+                yield event
         finally:  # finished, failed, cancelled or left early: nothing keeps running
             await self.aclose()
 
@@ -437,32 +357,6 @@ class AsyncTextStream:
     def __del__(self) -> None:
         if self._ticket is not None and self.result is None:
             self._ticket.cancel()
-
-
-def _ask_for_json(messages: list[dict[str, Any]], schema: Mapping[str, Any] | str) -> list[dict[str, Any]]:
-    """Tell the members what the grammar will hold them to: a model that knows the keys fills them in
-    meaningfully, the grammar alone only makes the reply valid. An object's keys are listed with their types
-    and descriptions (a 0.5B model given the raw JSON schema wrote one long looping value instead)."""
-    spec = json.loads(schema) if isinstance(schema, str) else schema_dict(schema)
-    properties = spec.get("properties") if isinstance(spec, dict) else None
-    if isinstance(properties, dict) and properties:
-        keys = "; ".join(_describe_key(k, v) for k, v in properties.items())
-        instruction = f"Reply with only a JSON object with these keys: {keys}. Keep every value short."
-    else:
-        instruction = (
-            f"Reply with only a JSON value that follows this JSON schema:\n{json.dumps(spec, ensure_ascii=False)}"
-        )
-    if messages and messages[0].get("role") == "system":
-        first = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{instruction}".strip()}
-        return [first, *messages[1:]]
-    return [{"role": "system", "content": instruction}, *messages]
-
-
-def _describe_key(name: str, spec: Any) -> str:
-    spec = spec if isinstance(spec, dict) else {}
-    kind = spec.get("type") or ("one of " + json.dumps(spec["enum"]) if "enum" in spec else "value")
-    text = f'"{name}" ({kind if isinstance(kind, str) else "/".join(map(str, kind))})'
-    return f"{text}: {spec['description']}" if spec.get("description") else text
 
 
 def _weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:

@@ -16,32 +16,29 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
 
 from ..algorithm.decoding import Generation, run_round
 from ..errors import ConfigError, InputError
+from ..shaping.reply import Reply, StreamEvent
 from ..stats import GenerationResult
 
 _EXIT_WAIT_S = 30.0  # at interpreter exit, how long the last (cancelled) round may take to end
 
 
-@dataclass(frozen=True)
-class Event:
-    """What the worker tells a request's reader: new verified text, the result, or the error."""
-
-    delta: str = ""
-    result: GenerationResult | None = None
-    error: BaseException | None = None
-
-
 class Ticket:
-    """One submitted request: its Generation and the events published for it after every round."""
+    """One submitted request: its Generation, and the `StreamEvent`s published for it after every round.
+
+    `events` / `aevents` are the one reader of a request's events (every door reads through them): they
+    yield each event until the one with the result, and raise the request's error instead of yielding it.
+    """
 
     def __init__(self, generation: Generation, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.generation = generation
+        self.reply = Reply(generation.request)
         self._emitted = 0
         self._loop = loop
-        self._events: queue.SimpleQueue[Event] | asyncio.Queue[Event] = (
+        self._events: queue.SimpleQueue[StreamEvent] | asyncio.Queue[StreamEvent] = (
             asyncio.Queue() if loop is not None else queue.SimpleQueue()
         )
         self.done = False
@@ -55,25 +52,39 @@ class Ticket:
         delta, self._emitted = visible[self._emitted :], len(visible)
         self.done = gen.error is not None or gen.finished  # before the reader can hear of it
         if gen.error is not None:
-            self._put(Event(error=gen.error))
+            self._put(StreamEvent("", error=gen.error))
         elif gen.finished:
-            self._put(Event(delta, gen.result()))
+            self._put(self.reply.final(delta, gen.result()))
         elif delta:
-            self._put(Event(delta))
+            self._put(self.reply.event(delta))
         return self.done
 
-    def _put(self, event: Event) -> None:
+    def _put(self, event: StreamEvent) -> None:
         if self._loop is None:
-            self._events.put(event)
+            self._events.put(event)  # type: ignore[union-attr]
             return
         with contextlib.suppress(RuntimeError):  # the reader's event loop is closed: nobody is listening
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
-    def get(self) -> Event:
-        return self._events.get()
+    def events(self) -> Iterator[StreamEvent]:
+        """The request's events as they come (blocking), the last one with the result."""
+        while True:
+            event = self._events.get()  # type: ignore[union-attr]
+            if event.error is not None:
+                raise event.error
+            yield event
+            if event.result is not None:
+                return
 
-    async def aget(self) -> Event:
-        return await self._events.get()
+    async def aevents(self) -> AsyncIterator[StreamEvent]:
+        """`events` for a ticket submitted with an event loop."""
+        while True:
+            event = await self._events.get()  # type: ignore[misc]
+            if event.error is not None:
+                raise event.error
+            yield event
+            if event.result is not None:
+                return
 
     def cancel(self) -> None:
         self.generation.cancel()
@@ -101,6 +112,18 @@ class Scheduler:
                 self._worker = threading.Thread(target=self._run, name="safe-scheduler", daemon=True)
                 self._worker.start()
         return ticket
+
+    @property
+    def running(self) -> int:
+        """Requests being decoded now (at most `max_batch_size`)."""
+        with self._cond:
+            return sum(not t.done for t in self._live)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and waiting for a free slot in the batch."""
+        with self._cond:
+            return len(self._waiting)
 
     @property
     def open_requests(self) -> int:
@@ -174,9 +197,7 @@ def _join_within(threads: list[threading.Thread], timeout: float | None) -> bool
 
 def collect(ticket: Ticket) -> GenerationResult:
     """Block until the request is over; its result, or its error raised here."""
-    while True:
-        event = ticket.get()
-        if event.error is not None:
-            raise event.error
+    for event in ticket.events():
         if event.result is not None:
             return event.result
+    raise AssertionError("a request's events end with its result")

@@ -417,10 +417,10 @@ def _scalar_equal(a: str, b: str, timeout: float) -> bool:
 
 def _latex_to_expr(s: str) -> str | None:
     """Convert normalised LaTeX to a Python-syntax expression, or None if it is not arithmetic."""
-    s = _replace_commands(s)
-    if s is None:
+    replaced = _replace_commands(s)
+    if replaced is None:
         return None
-    s = s.replace("\\pi", " pi ").replace("\\infty", " oo ")
+    s = replaced.replace("\\pi", " pi ").replace("\\infty", " oo ")
     s = re.sub(r"\\(?:cdot|times)(?![a-zA-Z])", "*", s).replace("\\div", "/")
     if "\\" in s or "_" in s or "=" in s or "<" in s or ">" in s:
         return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Literal, overload
 
 from safe_engine.eval.tasks import Problem
 
@@ -182,6 +183,12 @@ def stop_strings(problem_or_task: Problem | str, chat: bool = False) -> tuple[st
     return ("\n\nQuestion:", "\nQuestion:")
 
 
+@overload
+def build_prompt(problem: Problem, chat: Literal[True], fewshot: bool | None = None) -> list[Message]: ...
+@overload
+def build_prompt(problem: Problem, chat: Literal[False], fewshot: bool | None = None) -> str: ...
+@overload
+def build_prompt(problem: Problem, chat: bool, fewshot: bool | None = None) -> str | list[Message]: ...
 def build_prompt(problem: Problem, chat: bool, fewshot: bool | None = None) -> str | list[Message]:
     """``chat_messages(problem)`` when ``chat`` else ``fewshot_prompt(problem)``."""
     return chat_messages(problem, fewshot=fewshot) if chat else fewshot_prompt(problem)

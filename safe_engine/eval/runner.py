@@ -265,7 +265,7 @@ def make_ensemble_config(
         **generate_kwargs,
     }
 
-    def request(problem: Problem) -> tuple[dict[str, Any], tuple[str, ...]]:
+    def request(problem: Problem) -> tuple[dict[str, Any], dict[str, Any]]:
         kwargs: dict[str, Any] = {
             "method": method,
             "aggregation": aggregation,
@@ -306,7 +306,7 @@ def make_ensemble_config(
     answers: dict[str, dict[str, Any]] = {}
 
     def run(problem: Problem) -> dict[str, Any]:
-        if batch_size > 1 and problem.id in order:
+        if batch_size > 1 and problems is not None and problem.id in order:
             if problem.id not in answers:
                 batch = list(problems[order[problem.id] : order[problem.id] + batch_size])
                 requests = [request(p) for p in batch]

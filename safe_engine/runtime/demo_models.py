@@ -404,7 +404,8 @@ def _convert_into(gguf_path: Path, out_dir: Path, *, sha256: str, source: str, p
         config = quantised.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        model = type(quantised)(config).to(torch.float32)
+        # transformers declares `to` through @wraps(nn.Module.to), which hides its bound signature from mypy
+        model = type(quantised)(config).to(torch.float32)  # type: ignore[arg-type]
         model.load_state_dict(quantised.state_dict(), strict=True)
         model.generation_config = quantised.generation_config
         model.eval()

@@ -100,9 +100,10 @@ class Member:
         return list(ids)
 
     # -- forward ------------------------------------------------------------------------------------
-    def new_cache(self) -> KVPool | DynamicCache:
+    def new_cache(self) -> object:
         """A request's cache that can be cropped later: a packed pool where the model supports one (see
-        `packed`), else a DynamicCache with sliding-window layers recorded."""
+        `packed`), else a DynamicCache with sliding-window layers recorded. Callers treat it as opaque (a
+        remote member returns a key instead) and only hand it back to `score`, `forward` and `release`."""
         if self.packed:
             return KVPool()
         cache = DynamicCache(config=self.model.config)
@@ -121,10 +122,12 @@ class Member:
         The logits stay on the member's device; a row is normalised there when the decoder first reads it.
         """
         logits = self.forward_many(jobs)
-        return [
-            [LocalRow(row, (job.config.do_sample, job.config.temperature, job.config.top_p)) for row in rows]
-            for job, rows in zip(jobs, logits)
-        ]
+        out: list[list[Row]] = []
+        for job, rows in zip(jobs, logits):
+            config = job.scoring_config()
+            sampling = (config.do_sample, config.temperature, config.top_p)
+            out.append([LocalRow(row, sampling) for row in rows])
+        return out
 
     def forward_many(self, jobs: Sequence[Job]) -> list[torch.Tensor]:
         """Each job's float32 logits of its last `keep` positions, after cropping its cache to `start`."""
@@ -159,6 +162,12 @@ class Job:
     keep: int
     config: GenerationConfig | None  # the request's sampling settings (and, for Ray members, its top-k)
 
+    def scoring_config(self) -> GenerationConfig:
+        """`config`, which every scored job carries (only `Member.forward`'s bare forward runs without one)."""
+        if self.config is None:
+            raise InputTypeError("a scored Job needs its request's GenerationConfig; config=None is for a bare forward")
+        return self.config
+
 
 class Track:
     """One member's state for one request: its ids (prompt + generated text) and its KV cache."""
@@ -168,7 +177,7 @@ class Track:
         self.name = name
         self.prompt_len = len(prompt_ids)
         self.ids = list(prompt_ids)
-        self.cache = member.new_cache()
+        self.cache: object | None = member.new_cache()
         self.cached = 0  # leading ids whose keys/values are in the cache
         self.passes = 0
         # A verifier's tokens of the generated text that no later text can change (alignment.Verification):

@@ -16,11 +16,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 NAME = "safe_packed"
 
@@ -85,7 +89,7 @@ def packed_attention(
     packing = _PACKING.get()
     if packing is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    layer = module.layer_idx
+    layer = cast(int, module.layer_idx)  # transformers sets it on every attention module
     outputs = []
     offset = 0
     for seg in packing.segments:
@@ -139,7 +143,7 @@ def supports_packing(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "_supports_attention_backend", False)) and getattr(model.config, "is_decoder", True)
 
 
-def use_packing(model: torch.nn.Module) -> None:
+def use_packing(model: PreTrainedModel) -> None:
     model.set_attn_implementation(NAME)
 
 

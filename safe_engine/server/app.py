@@ -9,11 +9,12 @@ status (400 instead of FastAPI's 422, 413 for oversized bodies) and names the of
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,20 +25,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import GenerationConfig
-from ..engine.ensemble import Ensemble
+from ..engine.ensemble import AsyncTextStream, Ensemble
 from ..errors import ConfigError, GenerationTimeout, InputError, InputTypeError, MemberError, SafeEngineError
-from ..shaping.tools import with_tool_choice
+from ..shaping.reply import StreamEvent
+from ..shaping.request import Request as EngineRequest
+from ..shaping.request import build_request
+from ..stats import GenerationResult
 from . import openai_shapes as shapes
-from .jobs import EngineJob, Interrupted, Workers
 from .schemas import (
-    SAFE_KNOBS,
     ChatCompletionRequest,
     CompletionRequest,
     Message,
+    NamedToolChoice,
     RequestError,
     parse_request,
 )
-from .tool_calls import ReplyFilter
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _IDLE_WAIT_S = 30.0  # at shutdown, how long the last round (already cancelled) may take to end
@@ -45,12 +47,12 @@ _IDLE_WAIT_S = 30.0  # at shutdown, how long the last round (already cancelled) 
 
 @dataclass
 class ServerState:
-    """What the routes share: the ensemble (None while loading), settings, workers, shutdown deadline."""
+    """What the routes share: the ensemble (None while loading), settings, shutdown deadline."""
 
     model_name: str | None
     api_key: str | None
     defaults: GenerationConfig
-    workers: Workers
+    max_batch_size: int | None
     max_body_bytes: int
     ensemble: Ensemble | None = None
     load_error: BaseException | None = None
@@ -73,7 +75,7 @@ def create_app(
     model_name: str | None = None,
     api_key: str | None = None,
     defaults: GenerationConfig | None = None,
-    max_batch_size: int = 8,
+    max_batch_size: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     on_ready: Callable[[ServerState], None] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
@@ -81,10 +83,13 @@ def create_app(
     """An OpenAI-compatible app serving one ensemble under one model name.
 
     `defaults` are the generation settings a request does not override (max_tokens, method, ...);
-    `max_batch_size` bounds the requests decoded at once (the others wait their turn); `api_key`, when
+    `max_batch_size`, when given, sets the ensemble's bound on the requests decoded at once (the others
+    wait their turn; the ensemble's scheduler decodes every request, there is no pool here); `api_key`, when
     set, is required as `Authorization: Bearer <key>` on /v1 routes (/health stays open for probes).
     """
-    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+    if max_batch_size is not None and (
+        isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1
+    ):
         raise ConfigError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
     if api_key is not None and not api_key:
         raise ConfigError("api_key is empty; pass a non-empty key, or None to serve without one")
@@ -92,20 +97,17 @@ def create_app(
         model_name=model_name,
         api_key=api_key,
         defaults=defaults or GenerationConfig(),
-        workers=Workers(max_batch_size),
+        max_batch_size=max_batch_size,
         max_body_bytes=max_body_bytes,
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if isinstance(ensemble, Ensemble):
-            state.ensemble = ensemble
-            if on_ready is not None:
-                on_ready(state)
+            _serve(state, ensemble, on_ready)
         else:
             threading.Thread(target=_load, args=(state, ensemble, on_ready, on_load_error), daemon=True).start()
         yield
-        state.workers.shutdown()
         if state.ensemble is not None:  # a stopped server leaves nothing decoding, even if the process goes on
             await asyncio.to_thread(state.ensemble.wait_idle, _IDLE_WAIT_S)
 
@@ -118,9 +120,9 @@ def create_app(
         if state.ensemble is None:
             status = "failed" if state.load_error is not None else "loading"
             return JSONResponse({"status": status}, status_code=503)
-        w = state.workers
-        body = {"status": "ok", "model": state.name, "running": w.running, "waiting": w.waiting}
-        body["open_requests"] = getattr(state.ensemble, "open_requests", None)  # requests holding KV caches
+        ens = state.ensemble
+        body = {"status": "ok", "model": state.name, "running": ens.running_requests, "waiting": ens.waiting_requests}
+        body["open_requests"] = ens.open_requests  # requests holding KV caches
         return JSONResponse(body)
 
     @app.get("/v1/models")
@@ -140,23 +142,29 @@ def create_app(
         req = parse_request(ChatCompletionRequest, await _json_body(request, state.max_body_bytes))
         assert isinstance(req, ChatCompletionRequest)
         name = _check_model(state, req.model)
-        config = _config(req, state.defaults, ens, req.max_completion_tokens)
-        messages = engine_messages(req.messages)
-        tools, choice = _tool_choice(req)
-        messages, tools = with_tool_choice(messages, tools, choice)  # "none": no tools at all
-        reply = ReplyFilter(tools, choice, first_only=req.parallel_tool_calls is False)
-        kwargs: dict[str, Any] = {"messages": messages, "config": config}
-        if tools:
-            kwargs["tools"] = tools
-        job = EngineJob(state.workers, lambda: ens.stream(**kwargs))
+        engine_request = _engine_request(
+            req,
+            state,
+            ens,
+            messages=engine_messages(req.messages),
+            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+            tool_choice=req.tool_choice.model_dump()
+            if isinstance(req.tool_choice, NamedToolChoice)
+            else req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls,
+            response_format=req.response_format,
+            max_completion_tokens=req.max_completion_tokens,
+        )
+        stream = ens.astream(engine_request)
         if req.stream:
-            await _start(job, state, request)
+            with _request_errors():
+                await stream.start()  # a request the engine refuses is still a plain 4xx
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_chat_events(job, state, ens, name, reply, include_usage))
-        result = await _collect(job, state, request, reply)
-        _, parsed = reply.finish()
-        body = shapes.chat_completion(shapes.new_id("chatcmpl"), name, shapes.now(), result, parsed, _drafter(ens))
-        return JSONResponse(body)
+            return _sse(_chat_events(stream, state, ens, name, include_usage))
+        result = await _result(stream, _interruption(state, request))
+        return JSONResponse(
+            shapes.chat_completion(shapes.new_id("chatcmpl"), name, shapes.now(), result, _drafter(ens))
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -174,13 +182,13 @@ def create_app(
                     code="unsupported_value",
                 )
             prompt = prompt[0]
-        config = _config(req, state.defaults, ens, None)
-        job = EngineJob(state.workers, lambda: ens.stream(prompt, config=config))
+        stream = ens.astream(_engine_request(req, state, ens, prompt=prompt))
         if req.stream:
-            await _start(job, state, request)
+            with _request_errors():
+                await stream.start()
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_completion_events(job, state, ens, name, include_usage))
-        result = await _collect(job, state, request, None)
+            return _sse(_completion_events(stream, state, ens, name, include_usage))
+        result = await _result(stream, _interruption(state, request))
         return JSONResponse(shapes.text_completion(shapes.new_id("cmpl"), name, shapes.now(), result, _drafter(ens)))
 
     return app
@@ -201,6 +209,12 @@ def _load(
         if on_load_error is not None:
             on_load_error(err)
         return
+    _serve(state, ens, on_ready)
+
+
+def _serve(state: ServerState, ens: Ensemble, on_ready: Callable[[ServerState], None] | None) -> None:
+    if state.max_batch_size is not None:
+        ens.max_batch_size = state.max_batch_size
     state.ensemble = ens
     if on_ready is not None:
         on_ready(state)
@@ -286,52 +300,29 @@ def _check_model(state: ServerState, model: str | None) -> str:
     return name
 
 
-def _config(req: Any, defaults: GenerationConfig, ens: Ensemble, max_completion_tokens: int | None) -> GenerationConfig:
-    """The request's GenerationConfig: OpenAI fields mapped onto the engine's, SAFE knobs as given."""
-    overrides: dict[str, tuple[str, Any]] = {}  # engine field -> (request field, value)
-    if req.max_tokens is not None and max_completion_tokens is not None and req.max_tokens != max_completion_tokens:
-        raise RequestError(
-            400,
-            f"max_tokens={req.max_tokens} and max_completion_tokens={max_completion_tokens} disagree; send one",
-            param="max_tokens",
-            code="invalid_value",
-        )
-    limit_field = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
-    max_new = max_completion_tokens if max_completion_tokens is not None else req.max_tokens
-    if max_new is not None:
-        overrides["max_new_tokens"] = (limit_field, max_new)
-    if req.stop is not None:
-        overrides["stop"] = ("stop", (req.stop,) if isinstance(req.stop, str) else tuple(req.stop))
-    if req.temperature is not None:  # 0 = greedy, as OpenAI clients mean it; > 0 samples at that temperature
-        overrides["do_sample"] = ("temperature", req.temperature > 0)
-        if req.temperature > 0:
-            overrides["temperature"] = ("temperature", req.temperature)
-    if req.top_p is not None:
-        overrides["top_p"] = ("top_p", req.top_p)
-    if req.seed is not None:
-        overrides["seed"] = ("seed", req.seed)
-    for knob, value in (req.model_extra or {}).items():
-        if knob in SAFE_KNOBS:
-            overrides[knob] = (knob, tuple(value) if knob == "gates" and isinstance(value, list) else value)
-    for engine_name, (param, value) in overrides.items():  # one at a time: the error names its field
-        try:
-            defaults.updated(**{engine_name: value})
-        except (ConfigError, InputTypeError) as err:
-            raise RequestError(400, f"invalid {param!r}: {err}", param=param, code="invalid_value") from None
+def _engine_request(req: Any, state: ServerState, ens: Ensemble, **inputs: Any) -> EngineRequest:
+    """The engine's Request (`build_request`, as at every door): OpenAI's fields by the engine's shared
+    semantics, the SAFE knobs by their own names, the server's defaults underneath."""
+    options = {k: v for k, v in inputs.items() if v is not None}
+    for name in ("max_tokens", "temperature", "top_p", "seed", "stop"):
+        if getattr(req, name) is not None:
+            options[name] = getattr(req, name)
+    options.update(req.model_extra or {})  # the SAFE knobs (parse_request refused any other extra field)
     try:
-        config = defaults.updated(**{k: v for k, (_, v) in overrides.items()})
-    except (ConfigError, InputTypeError) as err:
-        raise RequestError(400, str(err), code="invalid_value") from None
+        request = build_request(config=state.defaults, **options)
+    except SafeEngineError as err:
+        raise RequestError(400, str(err), param=err.option, code="invalid_value") from None
     window = ens.context_window
-    if window is not None and config.max_new_tokens > window:
+    limit = request.config.max_new_tokens
+    if window is not None and limit > window:
+        param = "max_completion_tokens" if "max_completion_tokens" in options else "max_tokens"
         raise RequestError(
             400,
-            f"{limit_field}={config.max_new_tokens} is more than the ensemble's context window of {window} tokens; "
-            "lower it",
-            param=limit_field,
+            f"{param}={limit} is more than the ensemble's context window of {window} tokens; lower it",
+            param=param,
             code="context_length_exceeded",
         )
-    return config
+    return request
 
 
 def engine_messages(messages: list[Message]) -> list[dict[str, Any]]:
@@ -398,32 +389,9 @@ def _text(m: Message, i: int) -> str | None:
     return "".join(parts)
 
 
-def _tool_choice(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str]:
-    """(the tools, tool_choice as the engine names it: "auto" | "none" | "required" | a tool name).
-
-    "none" means no reply is ever a tool call; "required" and a named tool ask for the call in the system
-    message (`safe_engine.shaping.tools.with_tool_choice`: decoding cannot be constrained yet) and let the parser
-    read a bare JSON object of the required tool's arguments as its call.
-    """
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    choice = req.tool_choice
-    if choice is None or choice in ("auto", "none"):
-        return tools, choice or "auto"
-    if not tools:
-        raise RequestError(
-            400, "tool_choice requires tools; send the tools too", param="tool_choice", code="invalid_value"
-        )
-    if choice == "required":
-        return tools, "required"
-    names = [t["function"]["name"] for t in tools]
-    if choice.function.name not in names:
-        raise RequestError(
-            400,
-            f"tool_choice names {choice.function.name!r}, which is not among the tools {names}",
-            param="tool_choice",
-            code="invalid_value",
-        )
-    return tools, choice.function.name
+def _tool_choice(choice: Any) -> Any:
+    """OpenAI's tool_choice as the engine reads it ({"type": "function", "function": {"name": ...}} or a word)."""
+    return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
 
 def _drafter(ens: Ensemble) -> str:
@@ -458,8 +426,19 @@ def engine_error(err: BaseException) -> RequestError:
     return RequestError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error", type="server_error")
 
 
-def _interruption(state: ServerState, request: Request):
-    """Why a job should stop now: the server is shutting down or the client left (None: go on)."""
+class Interrupted(Exception):
+    """A request stopped before its end: the client left or the server is shutting down (`reason`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+Check = Callable[[], Awaitable[str | None]]
+
+
+def _interruption(state: ServerState, request: Request) -> Check:
+    """Why a request should stop now: the server is shutting down or the client left (None: go on)."""
 
     async def check() -> str | None:
         if state.stopping():
@@ -469,41 +448,65 @@ def _interruption(state: ServerState, request: Request):
     return check
 
 
-async def _start(job: EngineJob, state: ServerState, request: Request) -> None:
-    """Open the job's stream before answering 200, so a bad request is still a plain 4xx."""
+def _stream_check(state: ServerState) -> Check:
+    async def check() -> str | None:  # a client that leaves is seen by Starlette, which cancels the body
+        return "shutdown" if state.stopping() else None
 
-    check = _interruption(state, request)
+    return check
+
+
+@contextlib.contextmanager
+def _request_errors() -> Iterator[None]:
+    """The engine's refusals and failures, and interruptions, as the OpenAI errors they answer with."""
     try:
-        await job.start(check)
+        yield
     except Interrupted as err:
         raise _interrupted(err) from None
-    except BaseException as err:
-        job.cancel()
-        if isinstance(err, asyncio.CancelledError):
-            raise
+    except RequestError:
+        raise
+    except Exception as err:
         raise engine_error(err) from None
 
 
-async def _collect(job: EngineJob, state: ServerState, request: Request, reply: ReplyFilter | None) -> Any:
-    """Run a non-streaming job to its result; a client that leaves cancels it."""
-
-    check = _interruption(state, request)
+async def _events(stream: AsyncTextStream, check: Check, tick: float = 0.25) -> AsyncIterator[StreamEvent]:
+    """The engine stream's events; `check` runs every `tick` seconds whether events come or not, and a
+    reason from it ends the request. However this ends, the request is cancelled and its caches freed."""
+    events = stream.events()
+    pending: asyncio.Future[StreamEvent] | None = None
+    checked = time.monotonic()
     try:
-        await job.start(check)
-        async for event in job.events(check):
-            if reply is not None:
-                reply.feed(event.delta)
-            if event.result is not None:
-                return event.result
-    except Interrupted as err:
-        raise _interrupted(err) from None
-    except BaseException as err:
-        job.cancel()
-        if isinstance(err, asyncio.CancelledError):
-            raise
-        raise engine_error(err) from None
+        with _request_errors():
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(events))
+                done, _ = await asyncio.wait({pending}, timeout=tick)
+                if not done or time.monotonic() - checked >= tick:
+                    checked = time.monotonic()
+                    reason = await check()
+                    if reason:
+                        raise Interrupted(reason)
+                if not done:
+                    continue
+                try:
+                    event = pending.result()
+                except StopAsyncIteration:
+                    return
+                pending = None
+                yield event
     finally:
-        job.cancel()  # a no-op once the result is in
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await events.aclose()
+        await stream.aclose()
+
+
+async def _result(stream: AsyncTextStream, check: Check) -> GenerationResult:
+    """Run a non-streaming request to its result; a client that leaves cancels it."""
+    async for event in _events(stream, check):
+        if event.result is not None:
+            return event.result
     raise RequestError(500, "the generation ended without a result", code="internal_error", type="server_error")
 
 
@@ -515,51 +518,36 @@ def _interrupted(err: Interrupted) -> RequestError:
     return RequestError(499, "the client closed the request", code="client_closed", type="invalid_request_error")
 
 
-def _stream_check(state: ServerState) -> Callable[[], Any]:
-    async def check() -> str | None:  # a client that leaves is seen by Starlette, which cancels the body
-        return "shutdown" if state.stopping() else None
-
-    return check
-
-
 async def _chat_events(
-    job: EngineJob, state: ServerState, ens: Ensemble, name: str, reply: ReplyFilter, include_usage: bool
+    stream: AsyncTextStream, state: ServerState, ens: Ensemble, name: str, include_usage: bool
 ) -> AsyncIterator[bytes]:
     rid, created = shapes.new_id("chatcmpl"), shapes.now()
     try:
         yield shapes.sse(shapes.chat_chunk(rid, name, created, {"role": "assistant", "content": ""}))
-        async for event in job.events(_stream_check(state)):
-            piece = reply.feed(event.delta)
-            if piece:
-                yield shapes.sse(shapes.chat_chunk(rid, name, created, {"content": piece}))
+        async for event in _events(stream, _stream_check(state)):
+            if event.content:
+                yield shapes.sse(shapes.chat_chunk(rid, name, created, {"content": event.content}))
             result = event.result
             if result is None:
                 continue
-            tail, parsed = reply.finish()
-            if tail:
-                yield shapes.sse(shapes.chat_chunk(rid, name, created, {"content": tail}))
-            for index, call in enumerate(parsed.tool_calls):
-                delta = {"tool_calls": [{"index": index, **call}]}
-                yield shapes.sse(shapes.chat_chunk(rid, name, created, delta))
-            safe = shapes.safe_stats(result, parsed.invalid_tool_calls)
-            finish = shapes.finish_reason(result, parsed)
-            yield shapes.sse(shapes.chat_chunk(rid, name, created, {}, finish, safe=safe))
+            for index, call in enumerate(shapes.tool_calls(result)):
+                yield shapes.sse(shapes.chat_chunk(rid, name, created, {"tool_calls": [{"index": index, **call}]}))
+            safe = shapes.safe_stats(result)
+            yield shapes.sse(shapes.chat_chunk(rid, name, created, {}, shapes.finish_reason(result), safe=safe))
             if include_usage:
                 usage = shapes.usage(result, _drafter(ens))
                 yield shapes.sse(shapes.chat_chunk(rid, name, created, None, usage=usage, safe=safe))
-    except Exception as err:  # after the 200: the error travels as an event, as OpenAI's streams do
-        yield shapes.sse(_error_event(err))
-    finally:
-        job.cancel()
+    except RequestError as err:  # after the 200: the error travels as an event, as OpenAI's streams do
+        yield shapes.sse(shapes.error_body(err.message, err.type, err.param, err.code))
     yield shapes.sse("[DONE]")
 
 
 async def _completion_events(
-    job: EngineJob, state: ServerState, ens: Ensemble, name: str, include_usage: bool
+    stream: AsyncTextStream, state: ServerState, ens: Ensemble, name: str, include_usage: bool
 ) -> AsyncIterator[bytes]:
     rid, created = shapes.new_id("cmpl"), shapes.now()
     try:
-        async for event in job.events(_stream_check(state)):
+        async for event in _events(stream, _stream_check(state)):
             result = event.result
             if event.delta or result is None:
                 yield shapes.sse(shapes.completion_chunk(rid, name, created, event.delta))
@@ -570,16 +558,9 @@ async def _completion_events(
             if include_usage:
                 usage = shapes.usage(result, _drafter(ens))
                 yield shapes.sse(shapes.completion_chunk(rid, name, created, None, usage=usage, safe=safe))
-    except Exception as err:
-        yield shapes.sse(_error_event(err))
-    finally:
-        job.cancel()
+    except RequestError as err:
+        yield shapes.sse(shapes.error_body(err.message, err.type, err.param, err.code))
     yield shapes.sse("[DONE]")
-
-
-def _error_event(err: Exception) -> dict[str, Any]:
-    error = _interrupted(err) if isinstance(err, Interrupted) else engine_error(err)
-    return shapes.error_body(error.message, error.type, error.param, error.code)
 
 
 class _SSEResponse(StreamingResponse):

@@ -8,7 +8,6 @@ import uuid
 from typing import Any
 
 from ..stats import GenerationResult
-from .tool_calls import Reply
 
 # The engine's finish reasons in OpenAI's words: an EOS or a stop string both "stop".
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -35,39 +34,51 @@ def usage(result: GenerationResult, drafter: str) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def safe_stats(result: GenerationResult, invalid_tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def tool_calls(result: GenerationResult) -> list[dict[str, Any]]:
+    """The reply's tool calls in OpenAI's shape (arguments as a JSON string)."""
+    return [
+        {
+            "id": call["id"],
+            "type": "function",
+            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)},
+        }
+        for call in result.tool_calls or ()
+    ]
+
+
+def safe_stats(result: GenerationResult) -> dict[str, Any]:
     """The ensemble's statistics for a response's `safe` object: tokens, ensembled tokens, E/T, rounds,
     forward passes per member, and the engine's own finish reason ("eos" | "stop" | "length")."""
     out = {**result.stats.to_dict(), "finish_reason": result.finish_reason}
     out["gates"] = list(out.get("gates") or ())
     if result.trace is not None:
         out["trace"] = [point.to_dict() for point in result.trace]
-    if invalid_tool_calls:
-        out["invalid_tool_calls"] = invalid_tool_calls
+    if result.invalid_tool_calls:  # calls that could not be read, and why
+        out["invalid_tool_calls"] = [
+            {k: bad.get(k) for k in ("id", "name", "arguments", "error")} for bad in result.invalid_tool_calls
+        ]
     return out
 
 
-def finish_reason(result: GenerationResult, reply: Reply | None = None) -> str:
-    if reply is not None and reply.tool_calls:
+def finish_reason(result: GenerationResult) -> str:
+    if result.tool_calls:
         return "tool_calls"
     return FINISH_REASONS.get(result.finish_reason, "stop")
 
 
-def chat_completion(
-    request_id: str, model: str, created: int, result: GenerationResult, reply: Reply, drafter: str
-) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content, "refusal": None}
-    if reply.tool_calls:
-        message["tool_calls"] = reply.tool_calls
-        message["content"] = reply.content or None
+def chat_completion(request_id: str, model: str, created: int, result: GenerationResult, drafter: str) -> dict:
+    message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
+    if result.tool_calls:
+        message["tool_calls"] = tool_calls(result)
+        message["content"] = result.content or None
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result, reply), "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result), "logprobs": None}],
         "usage": usage(result, drafter),
-        "safe": safe_stats(result, reply.invalid_tool_calls),
+        "safe": safe_stats(result),
     }
 
 

@@ -10,23 +10,17 @@ fields (`extra_body=` in the openai SDK, LangChain and LlamaIndex).
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-# GenerationConfig fields a request may set by their own name; the others have OpenAI names
-# (max_tokens, stop, temperature, top_p, seed).
-SAFE_KNOBS = (
-    "method",
-    "aggregation",
-    "draft_length",
-    "top_k",
-    "sharpening",
-    "sharpen_threshold",
-    "gates",
-    "do_sample",
-    "trace",
-    "timeout_s",
+from ..config import GenerationConfig
+
+# GenerationConfig fields a request may set by their own name (extra body fields); the others have OpenAI
+# names (max_tokens, stop, temperature, top_p, seed).
+SAFE_KNOBS = tuple(
+    f.name for f in fields(GenerationConfig) if f.name not in ("max_new_tokens", "stop", "temperature", "top_p", "seed")
 )
 
 # Fields that only label or route a request, with no effect on what is generated: accepted, not used.
@@ -44,11 +38,6 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "frequency_penalty": ((None, 0), "penalties are not implemented; leave it at 0"),
     "repetition_penalty": ((None, 1), "penalties are not implemented; leave it at 1"),
     "logit_bias": ((None, {}), "logit biases are not implemented"),
-    "response_format": (
-        (None, _TEXT_FORMAT),
-        "json_object / json_schema need constrained decoding, which this server does not have yet; "
-        "use tools with tool_choice, or ask for JSON in the prompt",
-    ),
     "functions": ((None,), "the deprecated functions API is not supported; use tools"),
     "function_call": ((None,), "the deprecated functions API is not supported; use tool_choice"),
     "audio": ((None,), "the members are text-only"),

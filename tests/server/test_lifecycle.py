@@ -29,14 +29,14 @@ LONG = 3000  # tokens: far more than a test waits for
 def keep_streams(monkeypatch, ens) -> list:
     """Record the engine streams the server opens (to check afterwards that they were cancelled)."""
     opened = []
-    original = ens.stream
+    original = ens.astream
 
     def stream(*args, **kwargs):
         s = original(*args, **kwargs)
         opened.append(s)
         return s
 
-    monkeypatch.setattr(ens, "stream", stream)
+    monkeypatch.setattr(ens, "astream", stream)
     return opened
 
 
@@ -133,8 +133,8 @@ def test_shutdown_ends_running_streams_cleanly(served):
 
 # -- the command line ------------------------------------------------------------------------------------------
 def start_cli(model_dirs: list[str], *extra: str) -> tuple[subprocess.Popen, str]:
-    """`python -m safe_engine.server ...` on a free port; returns the process and its base URL."""
-    args = [sys.executable, "-m", "safe_engine.server", "--port", "0", "--max-new-tokens", "6"]
+    """`python -m safe_engine serve ...` on a free port; returns the process and its base URL."""
+    args = [sys.executable, "-m", "safe_engine", "serve", "--port", "0", "--max-new-tokens", "6"]
     for d in model_dirs:
         args += ["-m", d]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

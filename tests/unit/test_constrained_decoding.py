@@ -132,25 +132,24 @@ def pair():
     return tiny_member("gpt2", 5), tiny_member("llama2", 6)
 
 
-def masked_run(ens, monkeypatch, **options) -> Counter:
-    monkeypatch.setattr(Grammar, "for_request", classmethod(lambda cls, *a, **k: WORDS))
+def masked_run(ens, **options) -> Counter:
     return Counter(
-        ens.generate(PROMPT, max_new_tokens=1, do_sample=True, seed=s, json_schema="words", **options).text
+        ens.generate(PROMPT, max_new_tokens=1, do_sample=True, seed=s, grammar=WORDS, **options).text
         for s in range(DRAWS)
     )
 
 
-def test_safe_sampling_under_a_grammar_emits_the_masked_ensemble_distribution(pair, monkeypatch):
+def test_safe_sampling_under_a_grammar_emits_the_masked_ensemble_distribution(pair):
     drafter, _ = pair
     allowed = Constraint(WORDS, drafter)
     target = {s: p for s, p in unite_target(pair, PROMPT).items() if s and allowed.allows_text(s)}
     total = sum(target.values())
     expected = emitted(drafter, {s: p / total for s, p in target.items()})
-    counts = masked_run(Ensemble(list(pair)), monkeypatch, temperature=TEMPERATURE)
+    counts = masked_run(Ensemble(list(pair)), temperature=TEMPERATURE)
     assert chi_square_p(counts, expected, DRAWS) > 0.01
 
 
-def test_single_sampling_under_a_grammar_follows_the_masked_drafter(pair, monkeypatch):
+def test_single_sampling_under_a_grammar_follows_the_masked_drafter(pair):
     drafter, _ = pair
     allowed = Constraint(WORDS, drafter).allowed()
     probs = next_token_probs(drafter, PROMPT, 1.0)
@@ -159,5 +158,5 @@ def test_single_sampling_under_a_grammar_follows_the_masked_drafter(pair, monkey
         if allowed[tid] and probs[tid] > 0:
             expected[drafter.token_bytes[tid].decode(errors="replace")] += float(probs[tid])
     total = sum(expected.values())
-    counts = masked_run(Ensemble(list(pair)), monkeypatch, method="single")
+    counts = masked_run(Ensemble(list(pair)), method="single")
     assert chi_square_p(counts, {k: v / total for k, v in expected.items()}, DRAWS) > 0.01

@@ -37,7 +37,7 @@ def test_every_adapter_has_every_knob_with_the_engines_default():
     assert ChatSafe.model_fields["max_new_tokens"].alias == "max_tokens"
     assert ChatSafe.model_fields["timeout_s"].alias == IndexLLM.model_fields["timeout_s"].alias == "timeout"
     changed = {n for n in FIELDS if IndexLLM.model_fields[n].default != getattr(DEFAULTS, n)}
-    assert changed == {"stop"}  # a list, not a tuple: [] == () is False
+    assert changed == {"temperature", "do_sample", "stop"}  # the same conventions; stop: a list, not a tuple
 
 
 def test_every_knob_is_a_cli_flag():
@@ -72,7 +72,8 @@ safe_engine.GenerationConfig = config.GenerationConfig
 
 from langchain_safe import ChatSafe
 from llamaindex_safe import GENERATION_OPTIONS, SafeLLM
-from safe_engine.cli import build_parser, _options
+from safe_engine.cli import build_parser
+from safe_engine.cli.args import options as _options
 
 for model in (ChatSafe, SafeLLM):
     field = model.model_fields["new_knob"]

@@ -28,7 +28,7 @@ from safe_engine.errors import ConfigError, InputError
 from safe_engine.shaping.chat import chat_prompt_ids
 from safe_engine.shaping.tools import new_tool_call_id
 from tests.conftest import tiny_member, tokenizer
-from tests.scripted import ScriptedStream, patch_streams, script
+from tests.scripted import ScriptedStream, script
 
 PROMPT = "The quick brown fox"
 N = 12
@@ -414,9 +414,9 @@ def test_tool_calls_end_to_end_with_a_scripted_reply(chat, ens, monkeypatch):
     assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("multiply", {"a": 2, "b": 3})]
     assert msg.usage_metadata == {"input_tokens": 10, "output_tokens": 7, "total_tokens": 17}
     request = calls[0]
-    assert [t["function"]["name"] for t in request["tools"]] == ["multiply", "add"]
-    assert request["messages"] == [{"role": "user", "content": "What is 2*3?"}]
-    assert request["max_new_tokens"] == N and request["prompt"] is None
+    assert [t["function"]["name"] for t in request.tools] == ["multiply", "add"]
+    assert request.messages == ({"role": "user", "content": "What is 2*3?"},)
+    assert request.config.max_new_tokens == N and request.prompt is None
 
     chunks = list(bound.stream("What is 2*3?"))
     assert [c.content for c in chunks] == ["Sure.", "\n", ""]  # the last chunk carries the calls
@@ -454,16 +454,17 @@ def test_tool_choice_and_parallel_tool_calls(chat, ens, monkeypatch):
     )
     assert len(msg.tool_calls) == 2
     # the engine enforces the choice (grammar) and instructs the members; the adapter passes it on
-    assert calls[-1]["messages"][0] == {"role": "system", "content": "Be exact."}
-    assert calls[-1]["tool_choice"] == "multiply" and calls[-1]["parallel_tool_calls"] is True
+    assert calls[-1].messages[0]["content"].startswith('Be exact.\n\nYou must call the tool "multiply"')
+    assert calls[-1].tool_choice == "multiply" and calls[-1].parallel_tool_calls is True
+    assert calls[-1].grammar is not None
     chat.bind_tools([multiply, add], tool_choice="any").invoke("?")
-    assert calls[-1]["tool_choice"] == "required"
+    assert calls[-1].tool_choice == "required"
     chat.bind_tools([multiply, add], tool_choice="auto").invoke("?")
-    assert calls[-1]["messages"] == [{"role": "user", "content": "?"}] and calls[-1]["tool_choice"] is None
+    assert calls[-1].messages == ({"role": "user", "content": "?"},) and calls[-1].tool_choice == "auto"
     msg = chat.bind_tools([multiply, add], tool_choice="none").invoke("?")
-    assert not calls[-1].get("tools") and msg.tool_calls == []
+    assert calls[-1].tools is None and msg.tool_calls == []
     msg = chat.bind_tools([multiply, add], parallel_tool_calls=False).invoke("?")
-    assert [c["name"] for c in msg.tool_calls] == ["add"] and calls[-1]["parallel_tool_calls"] is False
+    assert [c["name"] for c in msg.tool_calls] == ["add"] and calls[-1].parallel_tool_calls is False
     with pytest.raises(ConfigError, match="not a bound tool"):
         chat.bind_tools([multiply], tool_choice="divide")
 
@@ -476,7 +477,7 @@ def test_with_structured_output_via_tools(chat, ens, monkeypatch):
 
     calls = script(monkeypatch, ens, ['{"value": 6}'])  # a small model's bare-arguments reply
     assert chat.with_structured_output(Product, method="function_calling").invoke("2*3?") == Product(value=6)
-    assert calls[-1]["tool_choice"] == "required" and [t["function"]["name"] for t in calls[-1]["tools"]] == ["Product"]
+    assert calls[-1].tool_choice == "required" and [t["function"]["name"] for t in calls[-1].tools] == ["Product"]
     script(monkeypatch, ens, ['<tool_call>{"name": "Product", "arguments": {"value": 6}}</tool_call>'])
     schema = Product.model_json_schema()
     assert chat.with_structured_output(schema, method="function_calling").invoke("2*3?") == {"value": 6}
@@ -530,12 +531,9 @@ def test_package_imports_without_llama_index():
 
 def test_leaving_a_stream_early_frees_the_request(llm, chat, ens, monkeypatch):
     opened: list[ScriptedStream] = []
-
-    def fake_stream(prompt=None, **kwargs):
-        opened.append(ScriptedStream(["a", "b", "c", "d"]))
-        return opened[-1]
-
-    patch_streams(monkeypatch, ens, fake_stream)
+    script(monkeypatch, ens, ["a", "b", "c", "d"])
+    scripted = ens.stream
+    monkeypatch.setattr(ens, "stream", lambda *a, **k: opened.append(scripted(*a, **k)) or opened[-1])
     for model in (llm, chat):
         stream = model.stream("Hi")
         next(stream)
@@ -582,12 +580,12 @@ def test_with_structured_output_methods(chat, ens, monkeypatch):
     calls = script(monkeypatch, ens, ['{"value": 6}'])
     # json_schema (the default): the engine decodes under the schema; no tools are bound
     assert chat.with_structured_output(Product).invoke("2*3?") == Product(value=6)
-    assert calls[-1]["json_schema"] == convert_to_json_schema(Product) and not calls[-1].get("tools")
+    assert calls[-1].json_schema == convert_to_json_schema(Product) and calls[-1].tools is None
     assert chat.with_structured_output(Product, method="json_schema").invoke("2*3?") == Product(value=6)
     # json_mode: any JSON object (the parser also takes a code fence, e.g. from a scripted reply)
     calls = script(monkeypatch, ens, ['Here it is:\n```json\n{"value": 6}\n```'])
     assert chat.with_structured_output(Product, method="json_mode").invoke("2*3? Reply in JSON.") == Product(value=6)
-    assert calls[-1]["json_schema"] == {"type": "object"}
+    assert calls[-1].json_schema == {"type": "object"}
     assert chat.with_structured_output(Product.model_json_schema(), method="json_mode").invoke("?") == {"value": 6}
     raw = chat.with_structured_output(Product, method="json_mode", include_raw=True).invoke("?")
     assert raw["parsed"] == Product(value=6) and raw["parsing_error"] is None and isinstance(raw["raw"], AIMessage)

@@ -229,7 +229,7 @@ def test_per_call_options_and_stop(llm, ens):
     assert as_field.text == stopped.text
     single = llm.complete(PROMPT, method="single")
     assert single.additional_kwargs["ensembled_tokens"] == 0
-    with pytest.warns(UserWarning, match="ignores unknown option"):
+    with pytest.raises(ConfigError, match="unknown option 'not_an_option'"):  # as at every door
         llm.complete(PROMPT, max_new_tokens=2, not_an_option=1)
     with pytest.raises(ValueError, match="top_k"):
         llm.complete(PROMPT, top_k=0)
@@ -584,11 +584,11 @@ def test_tool_calls_are_tool_call_blocks(llm, ens, monkeypatch):
     (block,) = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
     assert block.tool_call_id == selection.tool_id
     request = calls[-1]
-    assert [t["function"]["name"] for t in request["tools"]] == ["multiply", "add"]
-    props = request["tools"][0]["function"]["parameters"]["properties"]
+    assert [t["function"]["name"] for t in request.tools] == ["multiply", "add"]
+    props = request.tools[0]["function"]["parameters"]["properties"]
     assert props == {"a": {"type": "integer"}, "b": {"type": "integer"}}  # no pydantic titles for a model to copy
-    assert request["messages"] == [{"role": "user", "content": "What is 2*3?"}]
-    assert request["max_new_tokens"] == N
+    assert request.messages == ({"role": "user", "content": "What is 2*3?"},)
+    assert request.config.max_new_tokens == N
 
 
 def test_parallel_calls_and_tool_required(llm, ens, monkeypatch):
@@ -598,13 +598,13 @@ def test_parallel_calls_and_tool_required(llm, ens, monkeypatch):
     assert [c.tool_name for c in llm.get_tool_calls_from_response(both)] == ["multiply", "add"]
     first = llm.chat_with_tools(TOOLS, user_msg="?")  # allow_parallel_tool_calls=False by default
     assert [c.tool_name for c in llm.get_tool_calls_from_response(first)] == ["multiply"]
-    assert calls[-1]["messages"] == [{"role": "user", "content": "?"}]
-    assert calls[-1]["tool_choice"] is None and calls[-1]["parallel_tool_calls"] is False
+    assert calls[-1].messages == ({"role": "user", "content": "?"},)
+    assert calls[-1].tool_choice == "auto" and calls[-1].parallel_tool_calls is False
     # the engine enforces the choice (a grammar) and instructs the members; the adapter passes it on
     llm.chat_with_tools(TOOLS, user_msg="?", tool_required=True)
-    assert calls[-1]["tool_choice"] == "required"
+    assert calls[-1].tool_choice == "required"
     llm.chat_with_tools(TOOLS, user_msg="?", tool_choice="add", allow_parallel_tool_calls=True)
-    assert calls[-1]["tool_choice"] == "add" and calls[-1]["parallel_tool_calls"] is True
+    assert calls[-1].tool_choice == "add" and calls[-1].parallel_tool_calls is True
 
 
 def test_no_call_and_invalid_calls(llm, ens, monkeypatch):
@@ -664,7 +664,7 @@ def test_predict_and_call_and_structured_predict(llm, ens, monkeypatch):
     calls = script(monkeypatch, ens, ['{"value": 6}'])
     prompt = PromptTemplate("What is {a} times {b}?")
     assert llm.structured_predict(Product, prompt, a=2, b=3) == Product(value=6)
-    assert calls[-1]["json_schema"] == Product.model_json_schema() and not calls[-1].get("tools")
+    assert calls[-1].json_schema == Product.model_json_schema() and calls[-1].tools is None
     assert asyncio.run(llm.astructured_predict(Product, prompt, a=2, b=3)) == Product(value=6)
     script(monkeypatch, ens, ['<tool_call>{"name": "Product", "arguments": {"value": 6}}</tool_call>'])
     assert list(llm.stream_structured_predict(Product, prompt, a=2, b=3))[-1] == Product(value=6)
@@ -682,7 +682,7 @@ def test_function_agent_with_a_scripted_reply(llm, ens, monkeypatch):
     output, events = asyncio.run(run())
     assert str(output) == "The answer is 6."
     assert [c.tool_name for c in output.tool_calls] == ["multiply"] and output.tool_calls[0].tool_output.content == "6"
-    second = calls[1]["messages"]
+    second = list(calls[1].messages)
     call_id = second[1]["tool_calls"][0]["id"]
     assert second[1]["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 2, "b": 3}}
     assert second[2] == {"role": "tool", "content": "6", "tool_call_id": call_id}

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from safe_engine import ConfigError, Ensemble, GenerationConfig, MemberError, ModelLoadError, ModelSpec
+from safe_engine import ConfigError, Ensemble, GenerationConfig, MemberError, ModelLoadError, ModelSpec, build_request
 from safe_engine.algorithm.decoding import Generation
 from safe_engine.runtime.ray import MIN_TOP_K, RayMember, load_ray_members, resolve_backends
 from tests.conftest import tiny_model, tokenizer
@@ -240,7 +240,7 @@ def test_actors_hold_no_request_state_after_finish_or_abandon(remote):
     assert no_open_requests(remote.members, wait_s=5)
 
     # safety net: a Generation dropped without ever being released frees its caches when collected
-    gen = remote._start(PROMPT, None, None, None, {"max_new_tokens": 60})
+    gen = remote._start(build_request(PROMPT, **{"max_new_tokens": 60}))
     assert isinstance(gen, Generation)
     gen.step()
     assert not no_open_requests(remote.members)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from safe_engine import ConfigError, Ensemble, SafeEngineError
+from safe_engine import ConfigError, Ensemble, SafeEngineError, build_request
 from safe_engine.algorithm.decoding import OverlapGauge
 from tests.conftest import tiny_member
 from tests.reliability.conftest import live_caches, wait_until
@@ -66,11 +66,11 @@ def test_auto_overlaps_a_lone_request_only_with_a_spare_core(members3, monkeypat
     ens = Ensemble(members3)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    assert ens._start(PROMPT, None, None, None, {}).can_overlap
+    assert ens._start(build_request(PROMPT)).can_overlap
     monkeypatch.setattr("os.cpu_count", lambda: 1)
-    assert not ens._start(PROMPT, None, None, None, {}).can_overlap
-    assert ens._start(PROMPT, None, None, None, {"schedule": "overlap"}).can_overlap
-    assert not ens._start(PROMPT, None, None, None, {"schedule": "overlap", "method": "every_token"}).can_overlap
+    assert not ens._start(build_request(PROMPT)).can_overlap
+    assert ens._start(build_request(PROMPT, **{"schedule": "overlap"})).can_overlap
+    assert not ens._start(build_request(PROMPT, **{"schedule": "overlap", "method": "every_token"})).can_overlap
 
 
 def test_the_overlap_gauge_decides_after_its_samples():
@@ -104,8 +104,8 @@ def test_auto_falls_back_to_rounds_when_the_verifiers_cannot_keep_up(members3, m
     res = ens.generate(PROMPT, max_new_tokens=100)
     assert res.text == rounds_text  # the schedule changes mid-request; the greedy text does not
     assert not ens._overlap_gauge.prefers_overlap  # the drafter waited for the verifier
-    assert not ens._start(PROMPT, None, None, None, {}).can_overlap
-    assert ens._start(PROMPT, None, None, None, {"schedule": "overlap"}).can_overlap  # forcing it still works
+    assert not ens._start(build_request(PROMPT)).can_overlap
+    assert ens._start(build_request(PROMPT, **{"schedule": "overlap"})).can_overlap  # forcing it still works
 
 
 def test_streams_show_verified_text_only_in_the_overlap_schedule(members3):

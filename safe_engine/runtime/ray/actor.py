@@ -8,10 +8,11 @@ import time
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from ...config import GenerationConfig
 from ..members import Job, Member, ModelSpec, load_member
 from ..rows import race_sample
 
@@ -81,7 +82,8 @@ class MemberActor:
             req = self.requests.get(request)
             if req is None:
                 req = self.requests[request] = _Request(member.new_cache())
-            config = SimpleNamespace(do_sample=do_sample, temperature=temperature, top_p=top_p)
+            # The local member's `score_many` reads only these three fields of a job's config.
+            config = cast(GenerationConfig, SimpleNamespace(do_sample=do_sample, temperature=temperature, top_p=top_p))
             work.append(Job(req.cache, start, ids, keep, config))
         answers = []
         for (request, _, ids, keep, _, top_k, retain), rows in zip(jobs, member.score_many(work)):

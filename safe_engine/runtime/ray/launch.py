@@ -73,7 +73,14 @@ def ensure_ray(address: str | None = None) -> None:
 class PendingRayMembers:
     """Member actors that are loading; `wait()` returns the `RayMember`s (or raises, killing them all)."""
 
-    def __init__(self, actors: list[Any], refs: list[Any], specs: list[ModelSpec], timeout_s: float, load_timeout_s):
+    def __init__(
+        self,
+        actors: list[Any],
+        refs: list[Any],
+        specs: list[ModelSpec],
+        timeout_s: float | None,
+        load_timeout_s: float | None,
+    ) -> None:
         self._actors = actors
         self._refs = refs
         self._specs = specs
@@ -139,9 +146,9 @@ def start_ray_members(
     load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
 ) -> PendingRayMembers:
     """Start one actor per spec; they load in parallel (on their own nodes) while the caller goes on."""
-    specs = [resolve_spec(s) for s in specs]
-    devices = list(devices) if devices is not None else [None] * len(specs)
-    resources = _resources(member_resources, len(specs))
+    resolved = [resolve_spec(s) for s in specs]
+    devices = list(devices) if devices is not None else [None] * len(resolved)
+    resources = _resources(member_resources, len(resolved))
     if member_timeout_s is not None and not (isinstance(member_timeout_s, int | float) and member_timeout_s > 0):
         raise ConfigError(f"member_timeout_s must be a positive number of seconds, got {member_timeout_s!r}")
     ray = _ray()
@@ -155,8 +162,8 @@ def start_ray_members(
         for actor in actors:
             ray.kill(actor)
         raise ConfigError(f"invalid member_resources {resources!r}: {err}") from err
-    refs = [a.load.remote(spec, dev, dtype, trust_remote_code) for a, spec, dev in zip(actors, specs, devices)]
-    return PendingRayMembers(actors, refs, specs, member_timeout_s, load_timeout_s)
+    refs = [a.load.remote(spec, dev, dtype, trust_remote_code) for a, spec, dev in zip(actors, resolved, devices)]
+    return PendingRayMembers(actors, refs, resolved, member_timeout_s, load_timeout_s)
 
 
 def load_ray_members(

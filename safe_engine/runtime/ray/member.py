@@ -173,18 +173,20 @@ class RayMember(Member):
 
     def score_many(self, jobs: Sequence[Job]) -> list[list[Row]]:
         """Every request's rows from one actor call (one packed forward in the actor)."""
-        payload = [
-            (
-                job.cache.id,
-                int(job.start),
-                list(job.ids),
-                int(job.keep),
-                (bool(job.config.do_sample), float(job.config.temperature), float(job.config.top_p)),
-                max(job.config.top_k, MIN_TOP_K),
-                job.config.draft_length + 1,
+        payload = []
+        for job in jobs:
+            config = job.scoring_config()
+            payload.append(
+                (
+                    job.cache.id,
+                    int(job.start),
+                    list(job.ids),
+                    int(job.keep),
+                    (bool(config.do_sample), float(config.temperature), float(config.top_p)),
+                    max(config.top_k, MIN_TOP_K),
+                    config.draft_length + 1,
+                )
             )
-            for job in jobs
-        ]
         answers, _ = self._call("score_many", payload, requests=[job.cache for job in jobs])
         return [
             [RemoteRow(self, job.cache.id, call, r, *row) for r, row in enumerate(rows)]

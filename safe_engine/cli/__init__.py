@@ -1,4 +1,4 @@
-"""`safe-engine`: generate, chat, models, bench and eval from the command line.
+"""`safe-engine`: generate, chat, models, bench, eval and serve from the command line.
 
 User mistakes (bad spec, unknown method, missing chat template) print one line on stderr and exit 2;
 no traceback.
@@ -12,85 +12,38 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .engine.ensemble import Ensemble
-from .errors import SafeEngineError
-from .knobs import add_cli_arguments, cli_options
-from .runtime import demo_models
-from .stats import GenerationResult
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "-m",
-        "--model",
-        dest="models",
-        action="append",
-        required=True,
-        metavar="SPEC",
-        help="hub id, directory, .gguf file or demo name; repeat for each member (first = drafter)",
-    )
-    p.add_argument("--drafter", type=int, default=0, help="index of the drafter among -m (default 0)")
-    p.add_argument("--weights", type=float, nargs="+", help="one weight per member")
-    p.add_argument("--device", help="device for all members (cpu, cuda:0, auto)")
-    p.add_argument("--dtype", help="float32, bfloat16, float16")
-
-
-def _add_generation_args(p: argparse.ArgumentParser) -> None:
-    add_cli_arguments(p)  # one flag per GenerationConfig field
-
-
-def _options(args: argparse.Namespace) -> dict:
-    return cli_options(args)
-
-
-def _load(args: argparse.Namespace) -> Ensemble:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one "loaded" line instead of a bar per weight file
-    started = time.perf_counter()
-    ens = Ensemble.from_pretrained(
-        args.models, drafter=args.drafter, weights=args.weights, device_map=args.device, dtype=args.dtype
-    )
-    print(
-        f"[loaded {', '.join(ens.names)} in {time.perf_counter() - started:.1f} s; "
-        f"drafter {ens.names[ens.drafter_index]}]",
-        file=sys.stderr,
-    )
-    return ens
-
-
-def _stats_line(result: GenerationResult) -> str:
-    return f"[{result.stats.summary()}; finish={result.finish_reason}]"
+from ..errors import SafeEngineError
+from ..runtime import demo_models
+from ..shaping.request import build_request
+from ..stats import GenerationResult
+from .args import add_generation_args, add_model_args, add_request_args, load, options, request_options, stats_line
+from .serve import add_parser as add_serve_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    options = _options(args)
-    from .config import GenerationConfig
-
-    GenerationConfig(**options)  # validate before the (slow) model load
-    ens = _load(args)
-    kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    inputs: dict = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     if args.system and args.chat:
-        kwargs["messages"].insert(0, {"role": "system", "content": args.system})
+        inputs["messages"].insert(0, {"role": "system", "content": args.system})
+    request = build_request(**inputs, **request_options(args), **options(args))  # checked before the (slow) load
+    ens = load(args)
     if args.stream and not args.json:
-        stream = ens.stream(**kwargs, **options)
-        for delta in stream:
-            print(delta, end="", flush=True)
+        stream = ens.stream(request)
+        for event in stream.events():
+            print(event.content, end="", flush=True)
         print()
         result = stream.result
+        assert result is not None
     else:
-        result = ens.generate(**kwargs, **options)
+        result = ens.generate(request)
         if not args.json:
-            print(result.text)
+            print(result.content)
     if args.json:
-        print(
-            json.dumps(
-                {"text": result.text, "finish_reason": result.finish_reason, "stats": result.stats.to_dict()},
-                ensure_ascii=False,
-            )
-        )
+        reply = {"text": result.text, "content": result.content, "finish_reason": result.finish_reason}
+        if result.tool_calls is not None:
+            reply.update(tool_calls=result.tool_calls, invalid_tool_calls=result.invalid_tool_calls)
+        print(json.dumps({**reply, "stats": result.stats.to_dict()}, ensure_ascii=False))
     else:
-        print(_stats_line(result), file=sys.stderr)
+        print(stats_line(result), file=sys.stderr)
     if args.trace is not None:
         _write_trace(result, args.trace)
     return 0
@@ -106,8 +59,9 @@ def _write_trace(result: GenerationResult, path: str) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    options = _options(args)
-    ens = _load(args)
+    knobs = options(args)
+    build_request(" ", **knobs)  # checked before the (slow) load
+    ens = load(args)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("Chat with the ensemble; empty line or Ctrl-D to quit.", file=sys.stderr)
     while True:
@@ -119,11 +73,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         history.append({"role": "user", "content": line})
         print("ensemble> ", end="", flush=True)
-        stream = ens.stream(messages=history, **options)
+        stream = ens.stream(messages=history, **knobs)
         for delta in stream:
             print(delta, end="", flush=True)
         print()
-        print(_stats_line(stream.result), file=sys.stderr)
+        assert stream.result is not None
+        print(stats_line(stream.result), file=sys.stderr)
         history.append({"role": "assistant", "content": stream.result.text})
     return 0
 
@@ -144,10 +99,10 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .eval import load_task, make_ensemble_config, run_eval, write_report
+    from ..eval import load_task, make_ensemble_config, run_eval, write_report
 
     problems = load_task(args.task, data_dir=args.data, limit=args.limit, seed=args.seed)
-    ens = _load(args)
+    ens = load(args)
     configs = {}
     for method in args.methods:
         name, _, aggregation = method.partition(":")
@@ -167,7 +122,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import main as bench_main
+    from ..bench import main as bench_main
 
     return bench_main(args.rest)
 
@@ -177,18 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate one completion or chat reply")
-    _add_model_args(gen)
-    _add_generation_args(gen)
+    add_model_args(gen)
+    add_generation_args(gen)
     gen.add_argument("--stream", action="store_true", help="print verified text as it is produced")
     gen.add_argument("--chat", action="store_true", help="treat PROMPT as a user message (chat templates)")
     gen.add_argument("--system", help="system message (with --chat)")
     gen.add_argument("--json", action="store_true", help="print a JSON result instead of text")
+    add_request_args(gen)
     gen.add_argument("prompt", metavar="PROMPT")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive streaming chat")
-    _add_model_args(chat)
-    _add_generation_args(chat)
+    add_model_args(chat)
+    add_generation_args(chat)
     chat.add_argument("--system", help="system message")
     chat.set_defaults(func=cmd_chat)
 
@@ -198,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=cmd_models)
 
     ev = sub.add_parser("eval", help="benchmark accuracy of several configurations")
-    _add_model_args(ev)
+    add_model_args(ev)
     ev.add_argument("--task", required=True, help="gsm8k, math500, bbh[:task], arc, mmlu-redux[:subject]")
     ev.add_argument("--limit", type=int)
     ev.add_argument("--seed", type=int)
@@ -218,9 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
 
-    from .server.cli import add_parser as add_serve_parser  # no FastAPI import until `serve` runs
-
-    add_serve_parser(sub)
+    add_serve_parser(sub)  # no FastAPI import until `serve` runs
     return parser
 
 

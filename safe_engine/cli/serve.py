@@ -7,28 +7,27 @@ Nothing here imports FastAPI or uvicorn until the command runs, so `safe-engine`
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import signal
 import sys
 import time
 from typing import Any
 
+from ..config import GenerationConfig
 from ..errors import ConfigError, SafeEngineError
+from .args import add_generation_args, add_model_args, load, options
 
 
 def add_parser(sub: Any) -> None:
     """Register `serve` on the CLI's subparsers."""
-    from ..cli import _add_generation_args, _add_model_args
-
     p = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health",
         description="Serve the ensemble as one OpenAI-compatible model. Generation flags set the defaults "
         "a request does not override.",
     )
-    _add_model_args(p)
-    _add_generation_args(p)
+    add_model_args(p)
+    add_generation_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument(
@@ -50,17 +49,14 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli import _options
-    from ..config import GenerationConfig
-
     if getattr(args, "trace", None) is not None:
         raise ConfigError('--trace is per request when serving: send "trace": true in the request body')
     if args.max_batch_size < 1:
         raise ConfigError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
-    defaults = GenerationConfig(**{**_options(args), "trace": False})  # validate before the (slow) load
+    defaults = GenerationConfig(**{**options(args), "trace": False})  # validate before the (slow) load
     try:
-        from .app import create_app
-        from .runner import make_server
+        from ..server.app import create_app
+        from ..server.runner import make_server
     except ImportError as err:
         raise SafeEngineError(
             f"serving needs FastAPI and uvicorn ({err}); install them with: pip install 'langchain-safe[server]'"
@@ -87,11 +83,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(
-        lambda: _load(args),
+        lambda: load(args, max_batch_size=args.max_batch_size, announce=False),
         model_name=args.served_model_name,
         api_key=args.api_key,
         defaults=defaults,
-        max_batch_size=args.max_batch_size,
         max_body_bytes=args.max_body_bytes,
         on_ready=ready,
         on_load_error=failed,
@@ -117,21 +112,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _ignore(sig: int, frame: Any) -> None:
     pass
-
-
-def _load(args: argparse.Namespace) -> Any:
-    """The ensemble, with the batch size the engine supports (the batching scheduler takes one)."""
-    from transformers.utils import logging as hf_logging
-
-    from ..engine.ensemble import Ensemble
-
-    hf_logging.disable_progress_bar()
-    kwargs: dict[str, Any] = {
-        "drafter": args.drafter,
-        "weights": args.weights,
-        "device_map": args.device,
-        "dtype": args.dtype,
-    }
-    if "max_batch_size" in inspect.signature(Ensemble.from_pretrained).parameters:
-        kwargs["max_batch_size"] = args.max_batch_size
-    return Ensemble.from_pretrained(args.models, **kwargs)

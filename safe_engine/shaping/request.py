@@ -1,0 +1,274 @@
+"""`Request`: one generation as every door asks for it, validated once by `build_request`.
+
+Why one function: the engine API, both framework adapters, the server and the CLI each used to assemble
+a request their own way, and they drifted (tool_choice dropped over HTTP, temperature 0 refused by one
+adapter). Each door now maps its own names onto `build_request`'s keywords, and the table of shared
+semantics lives here:
+
+| option | meaning at every door |
+|---|---|
+| `temperature` | 0 = greedy; > 0 samples at that temperature unless `do_sample=False` is given too |
+| `max_new_tokens`, `max_tokens`, `max_completion_tokens` | one limit under three names (they must agree) |
+| `timeout_s`, `timeout` | wall-clock limit of the generation in seconds (`GenerationTimeout`) |
+| `stop` | a string or a list of strings; matched across tokens, never emitted |
+| `top_p`, `seed` | nucleus threshold and sampling seed (used when sampling) |
+| anything else | a `GenerationConfig` field by its own name, or a `ConfigError` naming the unknown option |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..config import GenerationConfig
+from ..errors import ConfigError, InputError, InputTypeError, SafeEngineError
+from ..runtime.members import Member
+from .chat import chat_prompt_ids, check_text, validate_messages
+from .constrained import Grammar, schema_dict
+from .tools import normalize_tool_choice, tool_names, with_tool_choice
+
+#: Other names of GenerationConfig fields, as the frameworks and OpenAI spell them.
+ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "timeout": "timeout_s"}
+#: `response_format` types (OpenAI's shape); "text" is unconstrained.
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_FIELDS = tuple(f.name for f in fields(GenerationConfig))
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one generation needs, checked: the members' input, tools and the reply's shape, the settings.
+
+    `messages` are what the members' templates render: the caller's, with the instruction to call a tool
+    (tool_choice "required" / a name) or to answer in JSON added to the system message. `tools` are the
+    tools shown to the members (None with tool_choice "none"); `grammar` constrains the reply (None: free).
+    """
+
+    prompt: str | None
+    messages: tuple[dict[str, Any], ...] | None
+    tools: tuple[dict[str, Any], ...] | None
+    tool_choice: str  # "auto" | "none" | "required" | a tool name
+    parallel_tool_calls: bool
+    response_format: str  # "text" | "json_object" | "json_schema"
+    json_schema: dict[str, Any] | None  # the reply's schema with response_format "json_schema"
+    grammar: Grammar | None
+    config: GenerationConfig
+
+    @property
+    def reads_tool_calls(self) -> bool:
+        """Whether the reply is read for tool calls (tools are shown and may be called)."""
+        return self.tools is not None
+
+    def encode(self, member: Member) -> list[int]:
+        """The member's prompt: the conversation through its own chat template, or the raw prompt."""
+        if self.messages is not None:
+            ids = chat_prompt_ids(member, list(self.messages), list(self.tools) if self.tools else None)
+        else:
+            assert self.prompt is not None
+            ids = member.prompt_ids(self.prompt)
+        if not ids:
+            raise InputError(f"the prompt encodes to no tokens for member {member.name!r}; pass a non-empty prompt")
+        return ids
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool | None = None,
+    json_schema: Mapping[str, Any] | str | Any | None = None,
+    response_format: Mapping[str, Any] | str | None = None,
+    grammar: Grammar | None = None,
+    config: GenerationConfig | None = None,
+    **options: Any,
+) -> Request:
+    """The one place a request is assembled and validated; every door calls it.
+
+    `tool_choice`: "auto" (text or calls), "none" (tools hidden), "required" / "any" / True (calls only),
+    a tool name or OpenAI's {"type": "function", "function": {"name": ...}} (exactly that call);
+    `parallel_tool_calls=False`: one call at most. `json_schema` (a dict, JSON text or a pydantic class)
+    or `response_format` (OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}} or
+    {"type": "json_object"}) constrain the reply to JSON; `grammar` to any llguidance grammar
+    (`Grammar.lark(...)`, for research; not with tools or JSON). `options` are GenerationConfig fields or their
+    aliases (module docstring), overriding `config`.
+    """
+    if (prompt is None) == (messages is None):
+        raise InputError("pass exactly one of a prompt string or messages=[...]")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise InputTypeError(f"prompt must be a str, got {type(prompt).__name__}; for chat use messages=")
+        if not prompt:
+            raise InputError("prompt is empty; pass some text to continue")
+        check_text(prompt, "the prompt")
+    with _about("messages"):
+        checked = validate_messages(messages) if messages is not None else None
+    config = _config(config, options)
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise ConfigError(
+            f"parallel_tool_calls must be True or False, got {parallel_tool_calls!r}", option="parallel_tool_calls"
+        )
+    parallel = parallel_tool_calls is not False
+    if tools is not None and not isinstance(tools, str | bytes | Mapping) and len(tools) == 0:
+        tools = None
+    if tools is not None:
+        with _about("tools"):
+            tool_names(tools)  # each must be a schema with a name
+        with _about("tool_choice"):
+            choice = normalize_tool_choice(tool_choice, tools)
+    elif tool_choice not in (None, False, "auto", "none"):
+        raise ConfigError(f"tool_choice={tool_choice!r} needs tools; pass tools=[...] too", option="tool_choice")
+    else:
+        choice = "auto" if tool_choice in (None, False) else tool_choice
+    with _about("response_format" if response_format is not None else "json_schema"):
+        kind, schema = _response_format(json_schema, response_format)
+    if checked is not None and tools is not None:  # "none" hides the tools; "required" / a name asks for the call
+        checked, shown = with_tool_choice(checked, tools, choice)
+    elif tools is not None and choice != "none":
+        raise ConfigError(
+            "tools are shown through the members' chat templates; pass messages=[...], not a prompt", option="tools"
+        )
+    else:
+        shown = None
+    if grammar is not None:
+        if not isinstance(grammar, Grammar):
+            raise InputTypeError(f"grammar must be a safe_engine Grammar (Grammar.lark(...)), got {grammar!r:.80}")
+        if shown or kind != "text":
+            raise ConfigError("grammar= constrains the whole reply; pass it without tools or a JSON response format")
+    elif kind == "json_object":
+        if shown:
+            raise ConfigError(_JSON_AND_TOOLS, option="response_format")
+        grammar = Grammar.json_object()
+    else:
+        with _about("response_format" if response_format is not None else "tools"):
+            grammar = Grammar.for_request(schema, shown, choice, parallel)
+    if kind != "text" and checked is not None:
+        checked = _ask_for_json(checked, schema)
+    return Request(
+        prompt=prompt,
+        messages=tuple(checked) if checked is not None else None,
+        tools=tuple(dict(t) for t in shown) if shown else None,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        response_format=kind,
+        json_schema=schema,
+        grammar=grammar,
+        config=config,
+    )
+
+
+_JSON_AND_TOOLS = (
+    "a JSON response format constrains the whole reply, so it cannot be combined with tool calls; "
+    "pass tool_choice='none' (or no tools) with it, or drop the response format"
+)
+
+
+@contextlib.contextmanager
+def _about(option: str) -> Iterator[None]:
+    """Name `option` as the one at fault in the errors raised here (unless they name one already)."""
+    try:
+        yield
+    except SafeEngineError as err:
+        if err.option is None:
+            err.option = option
+        raise
+
+
+def _config(base: GenerationConfig | None, options: dict[str, Any]) -> GenerationConfig:
+    """`base` with `options` applied under the shared semantics (aliases, temperature 0 = greedy)."""
+    if base is not None and not isinstance(base, GenerationConfig):
+        raise InputTypeError(f"config must be a GenerationConfig, got {type(base).__name__}")
+    base = base or GenerationConfig()
+    values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}  # field -> the name the caller used (for messages)
+    for name, value in options.items():
+        field = ALIASES.get(name, name)
+        if field not in _FIELDS:
+            valid = sorted((*_FIELDS, *ALIASES))
+            raise ConfigError(f"unknown option {name!r}; valid options: {valid}", option=name)
+        if field in values and values[field] != value:
+            raise ConfigError(
+                f"{spelled[field]}={values[field]!r} and {name}={value!r} name the same option; pass one", option=name
+            )
+        values[field], spelled[field] = value, name
+    if "temperature" in values:
+        temperature = values["temperature"]
+        if temperature is None:
+            del values["temperature"]
+        elif "do_sample" not in values and isinstance(temperature, int | float) and not isinstance(temperature, bool):
+            values["do_sample"] = temperature > 0  # 0 = greedy; > 0 samples, as OpenAI clients mean it
+    if values.get("stop", ()) is None:
+        values["stop"] = ()
+    if isinstance(values.get("gates"), list):
+        values["gates"] = tuple(values["gates"])
+    for field, value in values.items():  # one at a time first: the error names the option
+        try:
+            base.updated(**{field: value})
+        except (ConfigError, InputTypeError) as err:
+            if field in ("do_sample", "temperature") and field not in spelled:
+                continue  # derived from temperature: judged together below
+            raise type(err)(f"invalid {spelled.get(field, field)}: {err}", option=spelled.get(field, field)) from None
+    try:
+        return base.updated(**values)
+    except (ConfigError, InputTypeError) as err:
+        raise type(err)(str(err), option=next(iter(spelled.values()), None)) from None
+
+
+def _response_format(json_schema: Any, response_format: Any) -> tuple[str, dict[str, Any] | None]:
+    """("text" | "json_object" | "json_schema", the schema) from `json_schema=` or `response_format=`."""
+    if response_format is None or response_format == "text":
+        kind, schema = "text", None
+    elif response_format == "json_object":
+        kind, schema = "json_object", None
+    elif isinstance(response_format, Mapping):
+        kind = response_format.get("type")
+        if kind not in RESPONSE_FORMATS:
+            raise ConfigError(f"response_format type {kind!r} is not one of {list(RESPONSE_FORMATS)}")
+        schema = None
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, Mapping) or "schema" not in spec:
+                raise ConfigError(
+                    'response_format json_schema needs {"type": "json_schema", "json_schema": {"name": ..., '
+                    '"schema": {...}}}'
+                )
+            schema = schema_dict(spec["schema"])
+    else:
+        raise ConfigError(
+            f"response_format must be 'text', 'json_object' or OpenAI's dict form, got {response_format!r:.80}"
+        )
+    if json_schema is not None:
+        if kind != "text":
+            raise ConfigError("pass json_schema or response_format, not both")
+        kind, schema = "json_schema", schema_dict(json_schema)
+    return kind, schema
+
+
+def _ask_for_json(messages: list[dict[str, Any]], schema: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Tell the members what the grammar will hold them to: a model that knows the keys fills them in
+    meaningfully, the grammar alone only makes the reply valid. An object's keys are listed with their types
+    and descriptions (a 0.5B model given the raw JSON schema wrote one long looping value instead)."""
+    properties = schema.get("properties") if isinstance(schema, Mapping) else None
+    if schema is None:
+        instruction = "Reply with only a JSON object."
+    elif isinstance(properties, dict) and properties:
+        keys = "; ".join(_describe_key(k, v) for k, v in properties.items())
+        instruction = f"Reply with only a JSON object with these keys: {keys}. Keep every value short."
+    else:
+        instruction = (
+            f"Reply with only a JSON value that follows this JSON schema:\n{json.dumps(schema, ensure_ascii=False)}"
+        )
+    if messages and messages[0].get("role") == "system":
+        first = {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{instruction}".strip()}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": instruction}, *messages]
+
+
+def _describe_key(name: str, spec: Any) -> str:
+    spec = spec if isinstance(spec, dict) else {}
+    kind = spec.get("type") or ("one of " + json.dumps(spec["enum"]) if "enum" in spec else "value")
+    text = f'"{name}" ({kind if isinstance(kind, str) else "/".join(map(str, kind))})'
+    return f"{text}: {spec['description']}" if spec.get("description") else text
