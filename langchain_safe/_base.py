@@ -140,9 +140,8 @@ class SafeParams(_GenerationKnobs):
                 continue
             options.pop(ALIASES.get(key, key), None)  # the call's own name replaces the field's
             options[key] = value
-        for name in ("temperature", "do_sample", "max_new_tokens"):
-            if options.get(name, 0) is None:  # None: not set (greedy, the engine's default length)
-                del options[name]
+        if options.get("max_new_tokens", 0) is None:  # None: the engine's default length
+            del options["max_new_tokens"]
         if stop is not None:
             options["stop"] = stop
         return build_request(**inputs, **options)

@@ -257,9 +257,6 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
         for key, value in kwargs.items():
             options.pop(ALIASES.get(key, key), None)  # the call's own name replaces the field's
             options[key] = value
-        for name in ("temperature", "do_sample"):
-            if options.get(name, 0) is None:  # None: not set (greedy unless a temperature > 0 is given)
-                del options[name]
         return build_request(**inputs, **options)
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:

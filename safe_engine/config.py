@@ -37,8 +37,19 @@ class GenerationConfig:
     sharpen_threshold: float = field(default=0.1, metadata={"doc": "threshold λ of the heuristic sharpening"})
     max_new_tokens: int = field(default=256, metadata={"doc": "most tokens to generate"})
     stop: tuple[str, ...] = field(default=(), metadata={"doc": "stop strings (matched across tokens, never emitted)"})
-    do_sample: bool = field(default=False, metadata={"doc": "sample (exact speculative sampling) instead of greedy"})
-    temperature: float = field(default=1.0, metadata={"doc": "sampling temperature (with do_sample); 0 means greedy"})
+    # On the CLI both default to "not given": a --temperature above 0 alone samples, as at every door
+    # (`shaping.request`: temperature 0 = greedy, > 0 samples unless do_sample is False).
+    do_sample: bool = field(
+        default=False,
+        metadata={"doc": "sample (exact speculative sampling) instead of greedy", "cli": {"default": None}},
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={
+            "doc": "sampling temperature; 0 means greedy, > 0 samples unless do_sample is False",
+            "cli": {"default": None},
+        },
+    )
     top_p: float = field(default=1.0, metadata={"doc": "nucleus sampling threshold (with do_sample)"})
     seed: int | None = field(default=None, metadata={"doc": "seed for sampling (reproducible draws)"})
     # Which of SAFE's gates run: None = the method's own (safe: both; every_token: none). An ablation is

@@ -87,6 +87,7 @@ def aliases(knobs: tuple[Knob, ...]) -> dict[str, str]:
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per knob (`--draft-length`, ...); see `cli_options` for the values they give.
 
+    A knob's cli hints may give the flag another default (None: "not given", left to `build_request`).
     A bool knob is a switch, unless it has a metavar (`--trace FILE`: the knob is on when the flag is
     given; the command reads the value). A tuple knob is a repeatable flag (`--stop a --stop b`), or a
     comma list with cli list="comma" (`--gates boundary,consensus`; "none" = the empty list). For a knob
@@ -99,16 +100,16 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         if knob.base is bool:
             if "metavar" not in kwargs:  # --x, or --x / --no-x for a knob that is on by default
                 kwargs["action"] = argparse.BooleanOptionalAction if knob.default else "store_true"
-                kwargs["default"] = knob.default
+                kwargs.setdefault("default", knob.default)
         elif knob.base is tuple:
             if style != "comma":
                 kwargs["action"] = "append"
                 kwargs["help"] += " (repeatable)"
         else:
             kwargs["type"] = _scalar(knob)
-            kwargs["default"] = knob.default
-            if knob.default is not None:
-                kwargs["help"] += f" (default: {knob.default})"
+            kwargs.setdefault("default", knob.default)
+            if kwargs["default"] is not None:
+                kwargs["help"] += f" (default: {kwargs['default']})"
         parser.add_argument(knob.flag, **kwargs)
 
 

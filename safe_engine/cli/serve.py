@@ -13,8 +13,8 @@ import sys
 import time
 from typing import Any
 
-from ..config import GenerationConfig
 from ..errors import ConfigError, SafeEngineError
+from ..shaping.request import build_request
 from .args import add_generation_args, add_model_args, load, options
 
 
@@ -53,7 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError('--trace is per request when serving: send "trace": true in the request body')
     if args.max_batch_size < 1:
         raise ConfigError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
-    defaults = GenerationConfig(**{**options(args), "trace": False})  # validate before the (slow) load
+    # the defaults a request does not override, by the shared semantics; checked before the (slow) load
+    defaults = build_request(" ", **{**options(args), "trace": False}).config
     try:
         from ..server.app import create_app
         from ..server.runner import make_server

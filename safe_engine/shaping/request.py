@@ -7,7 +7,7 @@ semantics lives here:
 
 | option | meaning at every door |
 |---|---|
-| `temperature` | 0 = greedy; > 0 samples at that temperature unless `do_sample=False` is given too |
+| `temperature` | 0 = greedy; > 0 samples at that temperature unless `do_sample=False` is given too; None = not given |
 | `max_new_tokens`, `max_tokens`, `max_completion_tokens` | one limit under three names (they must agree) |
 | `timeout_s`, `timeout` | wall-clock limit of the generation in seconds (`GenerationTimeout`) |
 | `stop` | a string or a list of strings; matched across tokens, never emitted |
@@ -194,11 +194,12 @@ def _config(base: GenerationConfig | None, options: dict[str, Any]) -> Generatio
                 f"{spelled[field]}={values[field]!r} and {name}={value!r} name the same option; pass one", option=name
             )
         values[field], spelled[field] = value, name
+    for name in ("temperature", "do_sample"):  # None: not given (the frameworks' and the CLI's default)
+        if name in values and values[name] is None:
+            del values[name], spelled[name]
     if "temperature" in values:
         temperature = values["temperature"]
-        if temperature is None:
-            del values["temperature"]
-        elif "do_sample" not in values and isinstance(temperature, int | float) and not isinstance(temperature, bool):
+        if "do_sample" not in values and isinstance(temperature, int | float) and not isinstance(temperature, bool):
             values["do_sample"] = temperature > 0  # 0 = greedy; > 0 samples, as OpenAI clients mean it
     if values.get("stop", ()) is None:
         values["stop"] = ()

@@ -11,7 +11,7 @@ from langchain_safe import ChatSafe
 from langchain_safe import SafeLLM as LangChainLLM
 from llamaindex_safe import GENERATION_OPTIONS
 from llamaindex_safe import SafeLLM as IndexLLM
-from safe_engine import GenerationConfig
+from safe_engine import GenerationConfig, build_request
 from safe_engine.cli import build_parser
 from safe_engine.knobs import KNOBS, cli_options
 
@@ -43,13 +43,14 @@ def test_every_adapter_has_every_knob_with_the_engines_default():
 def test_every_knob_is_a_cli_flag():
     parser = build_parser()
     args = parser.parse_args(["generate", "-m", "x", "hi"])
-    assert cli_options(args) == dataclasses.asdict(DEFAULTS)
+    # temperature and do_sample are "not given" (None) unless passed: a --temperature above 0 alone samples
+    assert cli_options(args) == {**dataclasses.asdict(DEFAULTS), "temperature": None, "do_sample": None}
     argv = ["generate", "-m", "x", "--sharpen-threshold", "0.2", "--timeout-s", "30", "--sharpening", "none"]
     argv += ["--gates", "boundary", "--stop", "a", "--stop", "b", "--trace", "-", "--seed", "3", "hi"]
     options = cli_options(parser.parse_args(argv))
     assert options["sharpen_threshold"] == 0.2 and options["timeout_s"] == 30.0 and options["sharpening"] is None
     assert options["gates"] == ("boundary",) and options["stop"] == ("a", "b") and options["trace"] is True
-    GenerationConfig(**options)
+    build_request("hi", **options)
     assert cli_options(parser.parse_args(["generate", "-m", "x", "--gates", "none", "hi"]))["gates"] == ()
 
 

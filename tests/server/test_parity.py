@@ -1,0 +1,344 @@
+"""One request, every door: the same request through the engine, LangChain (`ChatSafe`, `SafeLLM`), LlamaIndex
+(`SafeLLM`), the server (the openai SDK and `ChatOpenAI`) and the CLI gives the same text, tool calls and finish
+reason as the engine itself, on tiny random models (greedy, or sampled with a seed: both are reproducible).
+
+Every door spells the request its own way (OpenAI's names and `extra_body` for the SAFE knobs over HTTP,
+keyword arguments in the frameworks, flags on the CLI); `build_request` gives them one meaning. Schemas are
+bounded (`maxLength`, `maximum`) so that a random-weight model closes every value within the token budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from langchain_core.messages import HumanMessage, SystemMessage
+from langchain_openai import ChatOpenAI
+from llama_index.core.llms import ChatMessage
+from openai import InternalServerError, LengthFinishReasonError, OpenAI
+
+from langchain_safe import ChatSafe
+from langchain_safe import SafeLLM as LangChainLLM
+from llamaindex_safe import SafeLLM as IndexLLM
+from safe_engine import ConfigError, GenerationResult, GenerationTimeout
+
+from .conftest import KEY, MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+SYSTEM, QUESTION = "You are terse.", "Name a prime number."
+CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+PROMPT = "Once upon a time"
+N = 12
+
+
+def _tool(name: str, description: str) -> dict:
+    number = {"type": "integer", "minimum": 0, "maximum": 99}
+    parameters = {
+        "type": "object",
+        "properties": {"a": number, "b": number},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+TOOLS = [_tool("multiply", "Multiply two integers."), _tool("add", "Add two integers.")]
+SCORE = {
+    "type": "object",
+    "properties": {
+        "label": {"type": "string", "maxLength": 6},
+        "value": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["label", "value"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "score", "schema": SCORE, "strict": True}}
+
+# name -> the request, as engine keyword arguments; every door sends the same request in its own terms.
+CASES: dict[str, dict[str, Any]] = {
+    "greedy": {},
+    "temperature 0 is greedy": {"temperature": 0},
+    "seeded sampling": {"temperature": 0.8, "top_p": 0.9, "seed": 7},
+    "max tokens": {"max_tokens": 5},
+    "stop": {"stop": ["e"]},
+    "method every_token": {"method": "every_token"},
+    "method single": {"method": "single"},
+    "aggregation gac": {"aggregation": "gac"},
+    "draft_length and top_k": {"draft_length": 3, "top_k": 4},
+    "geometric sharpening": {"sharpening": "geometric", "sharpen_threshold": 0.3},
+    "no sharpening": {"sharpening": None},
+    "boundary gate only": {"gates": ["boundary"]},
+    "rounds, fixed drafts": {"schedule": "rounds", "adaptive_draft": False},
+    "tool_choice auto": {"tools": TOOLS},
+    "tool_choice required": {"tools": TOOLS, "tool_choice": "required", "max_tokens": 80},
+    "tool_choice named": {
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "add"}},
+        "max_tokens": 80,
+    },
+    "tool_choice none": {"tools": TOOLS, "tool_choice": "none"},
+    "one call at most": {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 80},
+    "json_schema": {"response_format": JSON_SCHEMA, "max_tokens": 60},
+    "json mode": {"response_format": {"type": "json_object"}},
+}
+OPENAI_FIELDS = {"max_tokens", "temperature", "top_p", "seed", "stop", "tools", "tool_choice", "parallel_tool_calls"}
+OPENAI_FIELDS |= {"response_format"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+Reply = tuple[str, list[tuple[str, dict]], str]  # content, tool calls (name, arguments), OpenAI finish reason
+
+
+def _request(case: str) -> dict[str, Any]:
+    return {"max_tokens": N, **CASES[case]}
+
+
+def _openai(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's own fields as they are; the SAFE knobs in extra_body."""
+    extra = {k: v for k, v in kwargs.items() if k not in OPENAI_FIELDS}
+    return {**{k: v for k, v in kwargs.items() if k in OPENAI_FIELDS}, **({"extra_body": extra} if extra else {})}
+
+
+def _engine_reply(result: GenerationResult) -> Reply:
+    calls = [(c["name"], c["arguments"]) for c in result.tool_calls or ()]
+    return result.content or "", calls, "tool_calls" if calls else FINISH[result.finish_reason]
+
+
+# -- the doors ----------------------------------------------------------------------------------------------------
+def engine(served, kwargs) -> Reply:
+    return _engine_reply(served.ens.generate(messages=CHAT, **kwargs))
+
+
+def engine_stream(served, kwargs) -> Reply:
+    stream = served.ens.stream(messages=CHAT, **kwargs)
+    content = "".join(event.content for event in stream.events())
+    reply = _engine_reply(stream.result)
+    assert content == reply[0]  # the streamed content is the final content
+    return reply
+
+
+def engine_astream(served, kwargs) -> Reply:
+    async def run():
+        stream = served.ens.astream(messages=CHAT, **kwargs)
+        content = "".join([event.content async for event in stream.events()])
+        return content, stream.result
+
+    content, result = asyncio.run(run())
+    assert content == result.content
+    return _engine_reply(result)
+
+
+def _langchain_reply(message) -> Reply:
+    calls = [(c["name"], c["args"]) for c in message.tool_calls]
+    finish = "tool_calls" if calls else FINISH[message.response_metadata["finish_reason"]]
+    return message.content, calls, finish
+
+
+LC_CHAT = [SystemMessage(SYSTEM), HumanMessage(QUESTION)]
+
+
+def chatsafe(served, kwargs) -> Reply:
+    return _langchain_reply(ChatSafe(ensemble=served.ens).invoke(LC_CHAT, **kwargs))
+
+
+def chatsafe_stream(served, kwargs) -> Reply:
+    chunks = list(ChatSafe(ensemble=served.ens).stream(LC_CHAT, **kwargs))
+    return _langchain_reply(sum(chunks[1:], chunks[0]))
+
+
+def llamaindex(served, kwargs) -> Reply:
+    llm = IndexLLM(ensemble=served.ens)
+    response = llm.chat([ChatMessage(role=m["role"], content=m["content"]) for m in CHAT], **kwargs)
+    calls = [(c.tool_name, c.tool_kwargs) for c in llm.get_tool_calls_from_response(response, False)]
+    return response.message.content or "", calls, "tool_calls" if calls else FINISH[response.raw["finish_reason"]]
+
+
+def llamaindex_stream(served, kwargs) -> Reply:
+    llm = IndexLLM(ensemble=served.ens)
+    responses = list(llm.stream_chat([ChatMessage(role=m["role"], content=m["content"]) for m in CHAT], **kwargs))
+    last = responses[-1]
+    assert "".join(r.delta or "" for r in responses) == (last.message.content or "")
+    calls = [(c.tool_name, c.tool_kwargs) for c in llm.get_tool_calls_from_response(last, False)]
+    return last.message.content or "", calls, "tool_calls" if calls else FINISH[last.raw["finish_reason"]]
+
+
+def _client(served) -> OpenAI:
+    return OpenAI(base_url=served.v1, api_key=KEY, max_retries=0, timeout=120)
+
+
+def openai_sdk(served, kwargs) -> Reply:
+    res = _client(served).chat.completions.create(model=MODEL, messages=CHAT, **_openai(kwargs))
+    choice = res.choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or ()]
+    assert res.usage.completion_tokens == res.model_extra["safe"]["tokens"]
+    return choice.message.content or "", calls, choice.finish_reason
+
+
+def openai_sdk_stream(served, kwargs) -> Reply:
+    chunks = list(_client(served).chat.completions.create(model=MODEL, messages=CHAT, stream=True, **_openai(kwargs)))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [
+        (tc.function.name, json.loads(tc.function.arguments))
+        for c in chunks
+        if c.choices
+        for tc in c.choices[0].delta.tool_calls or ()
+    ]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return content, calls, finish[-1]
+
+
+def chat_openai(served, kwargs) -> Reply:
+    llm = ChatOpenAI(model=MODEL, base_url=served.v1, api_key=KEY, max_retries=0, timeout=120)
+    try:
+        message = llm.invoke(LC_CHAT, **_openai(kwargs))
+    except LengthFinishReasonError as err:  # ChatOpenAI parses a response_format reply; cut JSON it refuses
+        message = err.completion.choices[0].message
+        return message.content or "", [], "length"
+    calls = [(c["name"], c["args"]) for c in message.tool_calls]
+    return message.content, calls, message.response_metadata["finish_reason"]
+
+
+DOORS = [
+    engine_stream,
+    engine_astream,
+    chatsafe,
+    chatsafe_stream,
+    llamaindex,
+    llamaindex_stream,
+    openai_sdk,
+    openai_sdk_stream,
+    chat_openai,
+]
+
+
+@pytest.fixture(scope="module")
+def expected(served) -> dict[str, Reply]:
+    return {case: engine(served, _request(case)) for case in CASES}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_door_gives_the_engines_reply(served, expected, case):
+    want = expected[case]
+    for door in DOORS:
+        assert door(served, _request(case)) == want, f"{door.__name__}: {case}"
+    served.wait_idle()
+
+
+def test_the_matrix_checks_what_it_claims(expected):
+    """The cases are not vacuous: the tool cases call tools, json cases give JSON, stop and limits bite."""
+    assert {name for name, _ in expected["tool_choice required"][1]} <= {"multiply", "add"}
+    assert expected["tool_choice required"][1] and expected["tool_choice required"][2] == "tool_calls"
+    assert [name for name, _ in expected["tool_choice named"][1]] == ["add"]
+    assert len(expected["one call at most"][1]) == 1
+    assert expected["tool_choice none"][1] == [] and expected["tool_choice none"][2] != "tool_calls"
+    score = json.loads(expected["json_schema"][0])
+    assert set(score) == {"label", "value"} and 0 <= score["value"] <= 99
+    assert expected["json mode"][0].lstrip().startswith("{")
+    assert expected["max tokens"][2] == "length" and expected["greedy"] == expected["temperature 0 is greedy"]
+    assert expected["seeded sampling"] != expected["greedy"]
+    assert "e" not in expected["stop"][0]
+
+
+# -- completions: SafeLLM, LlamaIndex complete, /v1/completions, the CLI --------------------------------------------
+COMPLETION_CASES = ["greedy", "seeded sampling", "stop", "method every_token", "geometric sharpening"]
+
+
+def _completion_doors(served, kwargs) -> dict[str, tuple[str, str]]:
+    res = _client(served).completions.create(model=MODEL, prompt=PROMPT, **_openai(kwargs))
+    index = IndexLLM(ensemble=served.ens).complete(PROMPT, **kwargs)
+    langchain = LangChainLLM(ensemble=served.ens).generate([PROMPT], **kwargs).generations[0][0]
+    return {
+        "/v1/completions": (res.choices[0].text, res.choices[0].finish_reason),
+        "LangChain SafeLLM": (langchain.text, FINISH[langchain.generation_info["finish_reason"]]),
+        "LlamaIndex complete": (index.text, FINISH[index.raw["finish_reason"]]),
+    }
+
+
+@pytest.mark.parametrize("case", COMPLETION_CASES)
+def test_every_completion_door_gives_the_engines_text(served, case):
+    kwargs = _request(case)
+    result = served.ens.generate(PROMPT, **kwargs)
+    want = (result.text, FINISH[result.finish_reason])
+    for door, got in _completion_doors(served, kwargs).items():
+        assert got == want, f"{door}: {case}"
+
+
+# -- the CLI ------------------------------------------------------------------------------------------------------
+def _flags(kwargs: dict[str, Any], tmp_path: Path) -> list[str]:
+    flags = []
+    for key, value in kwargs.items():
+        if key == "max_tokens":
+            flags += ["--max-new-tokens", str(value)]
+        elif key == "tools":
+            path = tmp_path / "tools.json"
+            path.write_text(json.dumps(value))
+            flags += ["--tools", str(path)]
+        elif key == "tool_choice":
+            flags += ["--tool-choice", value if isinstance(value, str) else value["function"]["name"]]
+        elif key == "parallel_tool_calls":
+            flags += ["--no-parallel-tool-calls"]
+        elif key == "response_format":
+            is_schema = value["type"] == "json_schema"
+            flags += ["--json-schema", json.dumps(value["json_schema"]["schema"])] if is_schema else ["--json-object"]
+        elif key == "stop":
+            for s in value:
+                flags += ["--stop", s]
+        else:
+            flags += [f"--{key.replace('_', '-')}", str(value)]
+    return flags
+
+
+CLI_CASES = ["greedy", "seeded sampling", "stop", "method every_token", "tool_choice named", "json_schema"]
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_the_cli_gives_the_engines_reply(served, model_dirs, expected, tmp_path, case):
+    argv = [sys.executable, "-m", "safe_engine", "generate", "--chat", "--json", "--system", SYSTEM]
+    for path in model_dirs:
+        argv += ["-m", path]
+    argv += [*_flags(_request(case), tmp_path), QUESTION]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    calls = [(c["name"], c["arguments"]) for c in out.get("tool_calls") or ()]
+    assert (out["content"], calls, "tool_calls" if calls else FINISH[out["finish_reason"]]) == expected[case]
+
+
+# -- refusals and limits, the same at every door ------------------------------------------------------------------
+def test_an_unknown_option_is_named_at_every_door(served):
+    with pytest.raises(ConfigError, match="tempreature"):
+        served.ens.generate(messages=CHAT, tempreature=0.5)
+    with pytest.raises(ConfigError, match="tempreature"):
+        ChatSafe(ensemble=served.ens).invoke(LC_CHAT, tempreature=0.5)
+    with pytest.raises(ConfigError, match="tempreature"):
+        IndexLLM(ensemble=served.ens).chat([ChatMessage(role="user", content=QUESTION)], tempreature=0.5)
+    from openai import BadRequestError
+
+    with pytest.raises(BadRequestError) as err:
+        _client(served).chat.completions.create(model=MODEL, messages=CHAT, extra_body={"tempreature": 0.5})
+    assert err.value.body["param"] == "tempreature"
+    proc = subprocess.run(
+        [sys.executable, "-m", "safe_engine", "generate", "-m", "x", "--tempreature", "0.5", "hi"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--tempreature" in proc.stderr
+
+
+def test_a_timeout_ends_the_generation_at_every_door(served):
+    with pytest.raises(GenerationTimeout):
+        served.ens.generate(messages=CHAT, timeout_s=1e-9)
+    with pytest.raises(GenerationTimeout):
+        ChatSafe(ensemble=served.ens, timeout=1e-9).invoke(LC_CHAT)
+    with pytest.raises(GenerationTimeout):
+        IndexLLM(ensemble=served.ens, timeout=1e-9).chat([ChatMessage(role="user", content=QUESTION)])
+    with pytest.raises(InternalServerError) as err:  # 504, OpenAI's shape, naming the knob
+        _client(served).chat.completions.create(model=MODEL, messages=CHAT, extra_body={"timeout_s": 1e-9})
+    assert err.value.status_code == 504 and err.value.body["param"] == "timeout_s"
+    served.wait_idle()
