@@ -3,31 +3,25 @@ knobs (GenerationConfig's fields, with LangChain's names), per-call overrides an
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, model_validator
 
 from safe_engine import Ensemble, GenerationResult, ModelSpec, Request, build_request
 from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, from_validation_error
-from safe_engine.knobs import adapted
-from safe_engine.shaping.request import ALIASES
+from safe_engine.knobs import UNSET_SAMPLING, adapted
+from safe_engine.shaping.request import overridden
+
+if TYPE_CHECKING:
+    from langchain_core.language_models import LangSmithParams
 
 # GenerationConfig's fields, where LangChain has its own convention: its standard names `max_tokens` and
 # `timeout`, `temperature=None` (or 0) for greedy, and stop strings as a list.
 _KNOBS = adapted(
     {
+        **UNSET_SAMPLING,
         "max_new_tokens": {"alias": "max_tokens", "doc": "most tokens to generate (alias max_tokens)"},
-        "temperature": {
-            "type": float | None,
-            "default": None,
-            "doc": "sampling temperature; None or 0 means greedy decoding (the SAFE default)",
-        },
-        "do_sample": {
-            "type": bool | None,
-            "default": None,
-            "doc": "sample instead of greedy decoding; None: sample exactly when temperature > 0",
-        },
         "stop": {"type": list[str] | None, "default": None, "doc": "default stop strings (a call's own replace them)"},
         "timeout_s": {
             "alias": "timeout",
@@ -37,16 +31,16 @@ _KNOBS = adapted(
 )
 #: GenerationConfig fields exposed as model fields and per-call keyword arguments.
 KNOBS: tuple[str, ...] = tuple(k.name for k in _KNOBS)
-_GenerationKnobs: type[BaseModel] = create_model(
-    "GenerationKnobs", **{k.name: (k.type, Field(k.default, alias=k.alias, description=k.doc)) for k in _KNOBS}
-)
+_KNOB_FIELDS: dict[str, Any] = {k.name: (k.type, Field(k.default, alias=k.alias, description=k.doc)) for k in _KNOBS}
+_GenerationKnobs: type[BaseModel] = create_model("GenerationKnobs", **_KNOB_FIELDS)
 # Keyword arguments LangChain itself may pass along with a call that carry no generation option.
 _IGNORED_CALL_KWARGS = frozenset({"stream", "ls_structured_output_format"})
 # LangChain's standard `api_key` for hosted models: accepted (generic code passes it) and unused.
 _TOLERATED = frozenset({"api_key"})
 
 
-class SafeParams(_GenerationKnobs):
+# mypy takes no variable as a base class, and this one is built by create_model() at import time
+class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
     """Fields and helpers common to `SafeLLM` and `ChatSafe`."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
@@ -134,12 +128,8 @@ class SafeParams(_GenerationKnobs):
         """The engine's `Request` for one call: the fields, overridden by the call's options (any
         `build_request` keyword, under the engine's shared semantics: temperature 0 = greedy, max_tokens,
         timeout), for the prompt or messages in `inputs`."""
-        options: dict[str, Any] = {k: getattr(self, k) for k in KNOBS}
-        for key, value in kwargs.items():
-            if key in _IGNORED_CALL_KWARGS:
-                continue
-            options.pop(ALIASES.get(key, key), None)  # the call's own name replaces the field's
-            options[key] = value
+        call = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_KWARGS}
+        options = overridden({k: getattr(self, k) for k in KNOBS}, call)
         if options.get("max_new_tokens", 0) is None:  # None: the engine's default length
             del options["max_new_tokens"]
         if stop is not None:
@@ -156,10 +146,12 @@ class SafeParams(_GenerationKnobs):
             **({"trace": [p.to_dict() for p in result.trace]} if result.trace is not None else {}),
         }
 
-    def _ls_params(self, model_type: str, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _ls_params(
+        self, model_type: Literal["chat", "llm"], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> LangSmithParams:
         """LangSmith tracing parameters (`_get_ls_params` of both models; ls_provider "safe")."""
         model = kwargs.get("model")
-        params: dict[str, Any] = {
+        params: LangSmithParams = {
             "ls_provider": "safe",
             "ls_model_name": model if isinstance(model, str) else self.ensemble_name,
             "ls_model_type": model_type,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
@@ -23,6 +23,9 @@ from safe_engine.shaping.tools import normalize_tool_choice
 
 from ._base import SafeParams
 from ._messages import langchain_tool_calls, to_engine_messages
+
+if TYPE_CHECKING:
+    from langchain_core.utils.pydantic import TypeBaseModel
 
 
 class ChatSafe(SafeParams, BaseChatModel):
@@ -118,7 +121,8 @@ class ChatSafe(SafeParams, BaseChatModel):
         if kwargs:
             raise ConfigError(f"unsupported argument(s) {sorted(kwargs)} for with_structured_output")
         pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
-        parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        # (a pydantic model class, v1 or v2, when `pydantic`: checked just above)
+        parser = PydanticOutputParser(pydantic_object=cast("TypeBaseModel", schema)) if pydantic else JsonOutputParser()
         json_schema = {"type": "object"} if method == "json_mode" else convert_to_json_schema(schema)
         llm = self.bind(
             json_schema=json_schema, ls_structured_output_format={"kwargs": {"method": method}, "schema": schema}

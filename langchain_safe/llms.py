@@ -55,6 +55,7 @@ class SafeLLM(SafeParams, BaseLLM):
             for event in events:
                 if event.delta and run_manager:
                     run_manager.on_llm_new_token(event.delta)
+            assert event.result is not None, "the last event carries the result (an error raises instead)"
             generations.append([self._generation(event.result)])
         return LLMResult(generations=generations, llm_output={"model_name": self.ensemble_name})
 
@@ -71,6 +72,7 @@ class SafeLLM(SafeParams, BaseLLM):
             async for event in await self._holder.aevents(request):
                 if event.delta and run_manager:
                     await run_manager.on_llm_new_token(event.delta)
+            assert event.result is not None, "the last event carries the result (an error raises instead)"
             return self._generation(event.result)
 
         generations = [[g] for g in await asyncio.gather(*(one(r) for r in requests))]

@@ -57,9 +57,9 @@ from llama_index.core.prompts import PromptTemplate
 from safe_engine import Ensemble, GenerationResult, ModelSpec, Request, StreamEvent, build_request
 from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, ToolCallError, from_validation_error
-from safe_engine.knobs import KNOB_NAMES, adapted
+from safe_engine.knobs import KNOB_NAMES, UNSET_SAMPLING, adapted
 from safe_engine.runtime.members import peek_spec
-from safe_engine.shaping.request import ALIASES
+from safe_engine.shaping.request import overridden
 
 from ._messages import engine_message, reply_message, tool_schema, tool_selections
 
@@ -68,26 +68,17 @@ GENERATION_OPTIONS: tuple[str, ...] = KNOB_NAMES
 # GenerationConfig's fields, with LlamaIndex's conventions: stop strings as a list, `timeout` in seconds.
 _KNOBS = adapted(
     {
-        "temperature": {
-            "type": float | None,
-            "default": None,
-            "doc": "sampling temperature; None or 0 means greedy decoding (the SAFE default)",
-        },
-        "do_sample": {
-            "type": bool | None,
-            "default": None,
-            "doc": "sample instead of greedy decoding; None: sample exactly when temperature > 0",
-        },
+        **UNSET_SAMPLING,
         "stop": {"type": list[str], "default": [], "doc": "stop strings (excluded from the output)"},
         "timeout_s": {"alias": "timeout", "doc": "wall-clock limit of one generation in seconds (alias timeout)"},
     }
 )
-_GenerationKnobs: type[BaseModel] = create_model(
-    "GenerationKnobs", **{k.name: (k.type, Field(k.default, alias=k.alias, description=k.doc)) for k in _KNOBS}
-)
+_KNOB_FIELDS: dict[str, Any] = {k.name: (k.type, Field(k.default, alias=k.alias, description=k.doc)) for k in _KNOBS}
+_GenerationKnobs: type[BaseModel] = create_model("GenerationKnobs", **_KNOB_FIELDS)
 
 
-class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
+# mypy takes no variable as a base class, and this one is built by create_model() at import time
+class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[misc,valid-type]
     """SAFE ensemble of causal LMs with different tokenizers, as a LlamaIndex LLM that calls tools.
 
     Examples:
@@ -241,9 +232,10 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
         """(smallest context window, every member has a chat template) from config files, or None."""
         if not self._peek_done:
             found = [peek_spec(spec, self.trust_remote_code) for spec in self.models or ()]
-            if found and all(f is not None for f in found):
-                windows = [w for w, _ in found if w]
-                self._peeked = (min(windows) if windows else None, all(chat for _, chat in found))
+            known = [f for f in found if f is not None]
+            if found and len(known) == len(found):  # every spec was peeked
+                windows = [w for w, _ in known if w]
+                self._peeked = (min(windows) if windows else None, all(chat for _, chat in known))
             self._peek_done = True
         return self._peeked
 
@@ -252,15 +244,16 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
         """The engine's `Request` for one call: the fields, overridden by the call's options (any
         `build_request` keyword, under the engine's shared semantics: temperature 0 = greedy, max_tokens,
         timeout), for the prompt or messages in `inputs`."""
-        options: dict[str, Any] = {name: getattr(self, name) for name in GENERATION_OPTIONS}
-        options["stop"] = tuple(self.stop)
-        for key, value in kwargs.items():
-            options.pop(ALIASES.get(key, key), None)  # the call's own name replaces the field's
-            options[key] = value
+        settings = {name: getattr(self, name) for name in GENERATION_OPTIONS}
+        options = overridden({**settings, "stop": tuple(self.stop)}, kwargs)
         return build_request(**inputs, **options)
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
-        return prompt if formatted else self.completion_to_prompt(prompt)
+        if formatted:
+            return prompt
+        completion_to_prompt = self.completion_to_prompt
+        assert completion_to_prompt is not None, "LLM's validators default it (to default_completion_to_prompt)"
+        return completion_to_prompt(prompt)
 
     def _uses_custom_messages_to_prompt(self) -> bool:
         return self.messages_to_prompt is not generic_messages_to_prompt
@@ -277,7 +270,9 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):
                     "tools are shown to each member through its own chat template, which a custom "
                     "messages_to_prompt replaces; drop messages_to_prompt to call tools"
                 )
-            return self._request(kwargs, prompt=self.messages_to_prompt(messages))
+            messages_to_prompt = self.messages_to_prompt
+            assert messages_to_prompt is not None, "LLM's validators default it (to generic_messages_to_prompt)"
+            return self._request(kwargs, prompt=messages_to_prompt(messages))
         converted = [engine_message(m) for m in messages]
         if self.system_prompt and not (converted and converted[0]["role"] == "system"):
             converted.insert(0, {"role": "system", "content": self.system_prompt})

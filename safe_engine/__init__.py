@@ -1,4 +1,14 @@
-"""SAFE: Stable And Fast LLM Ensembling over causal LMs with different tokenizers."""
+"""SAFE: Stable And Fast LLM Ensembling over causal LMs with different tokenizers.
+
+The layers, each importing only from those listed before it (tests/unit/test_layers.py checks it):
+
+    errors, config, stats, knobs   what every layer shares: errors, settings, results
+    runtime/     members (model + tokenizer + KV cache), vocabularies, packed forwards, loading, Ray
+    shaping/     chat templates, tools, grammars, the Request and its Reply
+    algorithm/   alignment → aggregation → decision → the decoding round
+    engine/      the scheduler and the Ensemble facade
+    cli/, server/, bench, eval/    the doors and the benchmark tooling
+"""
 
 from .config import GenerationConfig
 from .engine.ensemble import AsyncTextStream, Ensemble, TextStream

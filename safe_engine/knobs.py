@@ -78,6 +78,22 @@ def adapted(changes: Mapping[str, Mapping[str, Any]]) -> tuple[Knob, ...]:
     return tuple(dataclasses.replace(k, **changes.get(k.name, {})) for k in KNOBS)
 
 
+#: The frameworks' convention for sampling (LangChain's and LlamaIndex's adapters): temperature and do_sample
+#: default to "not given", so that greedy decoding is the default and a temperature above 0 alone samples.
+UNSET_SAMPLING: dict[str, dict[str, Any]] = {
+    "temperature": {
+        "type": float | None,
+        "default": None,
+        "doc": "sampling temperature; None or 0 means greedy decoding (the SAFE default)",
+    },
+    "do_sample": {
+        "type": bool | None,
+        "default": None,
+        "doc": "sample instead of greedy decoding; None: sample exactly when temperature > 0",
+    },
+}
+
+
 def aliases(knobs: tuple[Knob, ...]) -> dict[str, str]:
     """alias -> knob name."""
     return {k.alias: k.name for k in knobs if k.alias}

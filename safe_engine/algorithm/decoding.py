@@ -30,13 +30,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ..errors import ConfigError, GenerationTimeout, InputError
 from ..runtime.members import Job, Member, Track
-from ..runtime.rows import Draws, Row
+from ..runtime.rows import Draws, LocalRow, Row
 from ..shaping.constrained import Constraint
 from ..shaping.request import Request
 from ..stats import EnsemblePoint, EnsembleStats, GenerationResult
@@ -132,7 +132,7 @@ class Generation:
         self.draft = Draft()  # this round's tokens not accepted yet
         self.checks: list[Verification] = []  # this round's verifications
         self._to_draft = self._budget = 0
-        self._verified = 0  # drafted tokens the verifiers see this round (all of them, but in overlap)
+        self._verified: int | None = 0  # drafted tokens the verifiers see this round (all of them, but in overlap)
         self._points: list[tuple[int, Verdict, bool]] = []  # this round's ensemble points (committed on accept)
         self._cut_short = False  # this round's draft ended early at an unsure token
         self._adaptive = config.adaptive_draft  # this round adapts its draft (never in a batch)
@@ -203,7 +203,7 @@ class Generation:
         self._adaptive = cfg.adaptive_draft and not batched
         n = (self.draft_length if self._adaptive else cfg.draft_length) if self.gates and not overlap else 1
         self._to_draft = min(n, self._budget - len(self.draft))
-        self.checks: list[Verification] = []
+        self.checks = []
         self.draft.final |= self._to_draft <= 0
         self._verified = len(self.draft) if overlap and self._to_draft > 0 else None
         self._cut_short = False
@@ -223,7 +223,8 @@ class Generation:
         row = rows[-1]
         # Under a grammar the token is drawn from the masked row (speculative sampling's q); the ensemble
         # aggregates the unmasked one, like every verifier's, and restricts its candidates afterwards.
-        drawn = row if self.constraint is None else row.masked(self.constraint.mask_logits)
+        # (a grammar needs a local drafter, checked in __init__, so its rows are LocalRows)
+        drawn: Row = row if self.constraint is None else cast(LocalRow, row).masked(self.constraint.mask_logits)
         position = self.stats.tokens + len(draft)
         tok = drawn.sample(self.draws.key("draft", position)) if self.config.do_sample else drawn.argmax()
         if self.constraint is not None:
@@ -335,7 +336,7 @@ class Generation:
                 j += 1
                 continue
             rows, owns, cuts, aligned = views
-            constrain = None if self.constraint is None else (lambda j=j: self._constraint_at(j))
+            constrain = None if self.constraint is None else (lambda j=j: self._grammar_at(j))
             verdict = self.judge.judge(
                 here,
                 draft.ids[j],
@@ -402,6 +403,12 @@ class Generation:
             constraint.consume(self.draft.ids[consumed:target])
         return constraint
 
+    def _grammar_at(self, j: int) -> Constraint:
+        """`_constraint_at` for a request that has a grammar."""
+        constraint = self._constraint_at(j)
+        assert constraint is not None, "only asked for when the request has a grammar"
+        return constraint
+
     @staticmethod
     def _first_ids(member: Member, draft: Draft, j: int) -> list[int]:
         text = b"".join(draft.pieces[j:])
@@ -448,8 +455,9 @@ class Generation:
                 room = min(room, member.context_window - base - kept)
             replacement = replacement[: max(room, 1)]
             ended = replacement[0] in member.eos_ids
-            if self._constraint_at(kept) is not None:
-                self.constraint.consume(replacement)
+            constraint = self._constraint_at(kept)
+            if constraint is not None:
+                constraint.consume(replacement)
             ids = ids + replacement
             pieces = pieces + [member.token_bytes[t] or b"" for t in replacement]
             drafter.ids = drafter.ids[:base] + ids
@@ -543,7 +551,8 @@ def _run_round(gens: Sequence[Generation]) -> None:
                     gen.take_draft(rows)
                 drafting = [g for g in drafting if g.drafting]
             checks = [c for g in live for c in g.verify() if c.job is not None]
-            for check, rows in zip(checks, _score_all([(c.track, c.job) for c in checks], _executor(live))):
+            work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
+            for check, rows in zip(checks, _score_all(work, _executor(live))):
                 check.take(rows)
         for gen in live:
             gen.end_round()
@@ -559,8 +568,11 @@ def _run_round(gens: Sequence[Generation]) -> None:
 def _overlapped(gen: Generation) -> None:
     """The drafter's next token and the verifiers' pass over the text before it, at the same time; both are
     timed for the overlap gauge."""
+    executor = gen.executor
+    assert executor is not None, "the overlap schedule needs the lineup's executor (see Generation.can_overlap)"
     checks = [c for c in gen.verify() if c.job is not None]
-    verifying = gen.executor.submit(_timed, _score_all, [(c.track, c.job) for c in checks]) if checks else None
+    work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
+    verifying = executor.submit(_timed, _score_all, work) if checks else None
     drafter_s = None
     try:
         if gen.drafting:

@@ -11,6 +11,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from ..errors import SafeEngineError
 from ..runtime import demo_models
@@ -38,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if not args.json:
             print(result.content)
     if args.json:
-        reply = {"text": result.text, "content": result.content, "finish_reason": result.finish_reason}
+        reply: dict[str, Any] = {"text": result.text, "content": result.content, "finish_reason": result.finish_reason}
         if result.tool_calls is not None:
             reply.update(tool_calls=result.tool_calls, invalid_tool_calls=result.invalid_tool_calls)
         print(json.dumps({**reply, "stats": result.stats.to_dict()}, ensure_ascii=False))

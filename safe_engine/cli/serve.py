@@ -105,8 +105,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
     state = app.state.safe
     if state.load_error is not None:
-        err = state.load_error
-        raise err if isinstance(err, SafeEngineError) else SafeEngineError(f"loading failed: {err}")
+        load_error = state.load_error
+        if isinstance(load_error, SafeEngineError):
+            raise load_error
+        raise SafeEngineError(f"loading failed: {load_error}")
     print("[server stopped]", file=sys.stderr)
     return 0
 

@@ -6,9 +6,9 @@ import asyncio
 import math
 import os
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -147,7 +147,8 @@ class Ensemble:
             if pending is not None:
                 pending.cancel()
             raise
-        return cls(members, drafter=drafter, weights=weights, max_batch_size=max_batch_size)
+        loaded = cast("list[Member]", members)  # every slot filled: local ones above, one Ray member per remote
+        return cls(loaded, drafter=drafter, weights=weights, max_batch_size=max_batch_size)
 
     @property
     def drafter(self) -> Member:
@@ -339,7 +340,7 @@ class AsyncTextStream:
             generation = await asyncio.to_thread(self._start)
             self._ticket = self._scheduler.submit(generation, asyncio.get_running_loop())
 
-    async def events(self) -> AsyncIterator[StreamEvent]:
+    async def events(self) -> AsyncGenerator[StreamEvent, None]:
         """The `StreamEvent`s, as soon as each is verified; the last one carries the result."""
         try:
             await self.start()

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import ConfigError, InputTypeError
 from ..runtime.members import ModelSpec, spec_name, unique_names
+from ..shaping.request import Request
 from .ensemble import AsyncTextStream, Ensemble, StreamEvent, TextStream
 
 #: Ensemble.from_pretrained options a holder forwards, with the values that mean "not given".
@@ -85,6 +86,7 @@ class LazyEnsemble:
             return ensemble
         with self._lock:
             if self._ensemble is None:
+                assert self.specs is not None, "a holder without specs was given its Ensemble"
                 self._ensemble = Ensemble.from_pretrained(self.specs, **self.load_options)
             return self._ensemble
 
@@ -94,7 +96,7 @@ class LazyEnsemble:
             return self._ensemble
         return await asyncio.to_thread(self.get)
 
-    def events(self, prompt: str | None = None, **request: Any) -> Iterator[StreamEvent]:
+    def events(self, prompt: str | Request | None = None, **request: Any) -> Iterator[StreamEvent]:
         """One request's `StreamEvent`s (the last carries the result), for adapters that stream.
 
         The request starts now (loading, bad input and tokenizing raise here, not at the first event);
@@ -102,7 +104,7 @@ class LazyEnsemble:
         """
         return _closing(self.get().stream(prompt, **request))
 
-    async def aevents(self, prompt: str | None = None, **request: Any) -> AsyncIterator[StreamEvent]:
+    async def aevents(self, prompt: str | Request | None = None, **request: Any) -> AsyncIterator[StreamEvent]:
         """`events` for asyncio (`Ensemble.astream`): loading and tokenizing run in worker threads, and the
         request starts at the first event. Leaving the loop early cancels it and frees its caches."""
         ensemble = await self.aget()

@@ -17,6 +17,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from typing import cast
 
 from ..algorithm.decoding import Generation, run_round
 from ..errors import ConfigError, InputError
@@ -38,6 +39,7 @@ class Ticket:
         self.reply = Reply(generation.request)
         self._emitted = 0
         self._loop = loop
+        # read by `events` (a SimpleQueue, without a loop) or by `aevents` (an asyncio.Queue, with one)
         self._events: queue.SimpleQueue[StreamEvent] | asyncio.Queue[StreamEvent] = (
             asyncio.Queue() if loop is not None else queue.SimpleQueue()
         )
@@ -61,15 +63,16 @@ class Ticket:
 
     def _put(self, event: StreamEvent) -> None:
         if self._loop is None:
-            self._events.put(event)  # type: ignore[union-attr]
+            cast("queue.SimpleQueue[StreamEvent]", self._events).put(event)  # no loop: the sync queue
             return
         with contextlib.suppress(RuntimeError):  # the reader's event loop is closed: nobody is listening
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
     def events(self) -> Iterator[StreamEvent]:
         """The request's events as they come (blocking), the last one with the result."""
+        events = cast("queue.SimpleQueue[StreamEvent]", self._events)  # a ticket submitted without a loop
         while True:
-            event = self._events.get()  # type: ignore[union-attr]
+            event = events.get()
             if event.error is not None:
                 raise event.error
             yield event
@@ -78,8 +81,9 @@ class Ticket:
 
     async def aevents(self) -> AsyncIterator[StreamEvent]:
         """`events` for a ticket submitted with an event loop."""
+        events = cast("asyncio.Queue[StreamEvent]", self._events)  # a ticket submitted with a loop
         while True:
-            event = await self._events.get()  # type: ignore[misc]
+            event = await events.get()
             if event.error is not None:
                 raise event.error
             yield event

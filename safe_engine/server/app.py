@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import GenerationConfig
@@ -405,11 +406,6 @@ def _card(state: ServerState, ens: Ensemble) -> dict[str, Any]:
 # -- running ---------------------------------------------------------------------------------------------------
 def engine_error(err: BaseException) -> RequestError:
     """The engine's refusal (or failure) of a request as an OpenAI error."""
-    try:
-        from jinja2 import TemplateError
-    except ImportError:  # transformers renders templates with jinja2; without it no template ran
-        TemplateError = ()
-
     if isinstance(err, RequestError):
         return err
     if isinstance(err, GenerationTimeout):
@@ -567,7 +563,7 @@ class _SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its body generator, even when the client vanished, so the
     generation behind it is cancelled and its caches freed right away."""
 
-    async def __call__(self, scope, receive, send) -> None:  # type: ignore[no-untyped-def]
+    async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -56,7 +56,9 @@ def check_text(text: str, what: str) -> None:
         ) from None
 
 
-def chat_prompt_ids(member: Member, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+def chat_prompt_ids(
+    member: Member, messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+) -> list[int]:
     """Token ids of the conversation rendered by the member's template, ready for the assistant's turn."""
     if not member.chat_template:
         raise ChatTemplateError(

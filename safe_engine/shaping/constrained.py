@@ -67,7 +67,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import llguidance
 import numpy as np
@@ -76,6 +76,9 @@ import torch
 from ..errors import ConfigError, InputError, SafeEngineError
 from ..runtime.vocab import Vocab
 from .tools import normalize_tool_choice, tool_names
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ log = logging.getLogger(__name__)
 #   deep). The default, any amount, lets a model under the mask emit newlines forever: every other token is
 #   masked out, white space never is (tiny random models and a random walk over the allowed tokens do
 #   exactly that; at 48 a gap they still spent most of a 300-token budget on white space).
-JSON_OPTIONS = {
+JSON_OPTIONS: JsonCompileOptions = {
     "lenient": True,
     "json_allow_general_unicode_escapes": True,
     "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,12}",
@@ -353,7 +356,7 @@ class Constraint:
         self._bitmask: torch.Tensor | None = None
         self._allowed: np.ndarray | None = None
         byte_id = drafter.vocab.id_of_bytes
-        self._byte_ids = [byte_id.get(bytes([b])) for b in range(256)]
+        self._byte_ids: list[int | None] = [byte_id.get(bytes([b])) for b in range(256)]
 
     def __repr__(self) -> str:
         return f"Constraint({self.grammar.kind}, {len(self.ids)} ids, can_stop={self.can_stop()})"
@@ -428,12 +431,14 @@ class Constraint:
         which byte-level BPE and SentencePiece byte fallback both have."""
         if not data:
             return True
-        ids = [self._byte_ids[b] for b in data]
-        if None in ids:  # a vocabulary without every byte: the drafter's own tokenization
+        spelled = [self._byte_ids[b] for b in data]
+        if None in spelled:  # a vocabulary without every byte: the drafter's own tokenization
             try:
                 ids = self.drafter.vocab.encode(data)[0]
             except InputError:
                 return False
+        else:
+            ids = cast("list[int]", spelled)  # no None in it: checked just above
         return not self._ended and self._matcher.validate_tokens(ids) == len(ids)
 
     def allows_strings(self, strings: Sequence[bytes] | Candidates, only: np.ndarray | None = None) -> np.ndarray:
@@ -559,7 +564,10 @@ class Candidates:
         byte_ids = [single.get(bytes([b])) for b in range(256)]
         spelled = ([byte_ids[b] for b in s] for s in longer)
         # each such string as single-byte ids, the way Constraint.allows_text checks it (None: a byte is missing)
-        self.multi_bytes = [None if None in ids else ids for ids in spelled]
+        self.multi_bytes: list[list[int] | None] = [
+            None if None in ids else cast("list[int]", ids)  # no None in it: checked in the same expression
+            for ids in spelled
+        ]
 
 
 def _head(s: bytes, single: Mapping[bytes, int]) -> int:

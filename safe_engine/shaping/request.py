@@ -21,7 +21,7 @@ import contextlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 from ..config import GenerationConfig
 from ..errors import ConfigError, InputError, InputTypeError, SafeEngineError
@@ -35,6 +35,16 @@ ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tok
 #: `response_format` types (OpenAI's shape); "text" is unconstrained.
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _FIELDS = tuple(f.name for f in fields(GenerationConfig))
+
+
+def overridden(settings: Mapping[str, Any], call: Mapping[str, Any]) -> dict[str, Any]:
+    """A door's standing settings (GenerationConfig names) overridden by one call's options, which may use an
+    alias: a call's `max_tokens` replaces the setting `max_new_tokens`."""
+    options = dict(settings)
+    for key, value in call.items():
+        options.pop(ALIASES.get(key, key), None)
+        options[key] = value
+    return options
 
 
 @dataclass(frozen=True)
@@ -225,9 +235,10 @@ def _response_format(json_schema: Any, response_format: Any) -> tuple[str, dict[
     elif response_format == "json_object":
         kind, schema = "json_object", None
     elif isinstance(response_format, Mapping):
-        kind = response_format.get("type")
-        if kind not in RESPONSE_FORMATS:
-            raise ConfigError(f"response_format type {kind!r} is not one of {list(RESPONSE_FORMATS)}")
+        format_type = response_format.get("type")
+        if format_type not in RESPONSE_FORMATS:
+            raise ConfigError(f"response_format type {format_type!r} is not one of {list(RESPONSE_FORMATS)}")
+        kind = cast(str, format_type)  # one of RESPONSE_FORMATS: checked just above
         schema = None
         if kind == "json_schema":
             spec = response_format.get("json_schema")

@@ -102,7 +102,7 @@ def required_tool(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any) -
 
 def with_tool_choice(
     messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+) -> tuple[list[dict[str, Any]], list[Mapping[str, Any]] | None]:
     """(messages, tools) for a request: "none" drops the tools; "required" or a name asks for the call in
     the system message. Measured on the demo models: a direct "must call" + "only the tool call" makes a
     0.5B model answer with the call instead of talking about it."""
@@ -147,7 +147,7 @@ def template_renders_tools(template: str) -> bool:
 
 def template_messages(
     messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None, template: str
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+) -> tuple[list[dict[str, Any]], list[Mapping[str, Any]] | None]:
     """(messages, tools) for one member's template.
 
     Tool calls in the history take the shape templates read (arguments as a dict, not a JSON string;

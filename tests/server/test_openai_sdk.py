@@ -251,3 +251,41 @@ def test_an_unparsable_call_is_reported_in_safe(client, served, monkeypatch):
     assert res.choices[0].message.tool_calls is None and res.choices[0].finish_reason == "stop"
     (bad,) = res.model_extra["safe"]["invalid_tool_calls"]
     assert bad["name"] == "multiply" and "JSON" in bad["error"]
+
+
+# -- structured output ---------------------------------------------------------------------------------------------
+def test_parse_with_a_pydantic_model_returns_a_parsed_object(client, served):
+    """Unscripted: `chat.completions.parse(response_format=Model)` sends a strict json_schema; the engine's grammar
+    holds even random-weight models to it, so the reply parses (the schema is bounded so that they finish)."""
+    from openai.lib._parsing._completions import type_to_response_format_param
+    from pydantic import BaseModel, Field
+
+    class Score(BaseModel):
+        label: str = Field(max_length=6)
+        value: int = Field(ge=0, le=99)
+
+    for stream in (False, True):
+        if stream:
+            with client.chat.completions.stream(model=MODEL, messages=CHAT, response_format=Score, max_tokens=64) as s:
+                for _ in s:
+                    pass
+                res = s.get_final_completion()
+        else:
+            res = client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=Score, max_tokens=64)
+        score = res.choices[0].message.parsed
+        assert isinstance(score, Score) and 0 <= score.value <= 99 and len(score.label) <= 6
+        sent = type_to_response_format_param(Score)  # the strict json_schema the SDK sends
+        expected = served.ens.generate(messages=CHAT, response_format=sent, max_tokens=64)
+        assert res.choices[0].message.content == expected.content
+
+
+def test_json_mode_streams_a_json_object(client, served):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, response_format={"type": "json_object"}, max_tokens=12, stream=True
+        )
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content.lstrip().startswith("{")
+    expected = served.ens.generate(messages=CHAT, response_format={"type": "json_object"}, max_tokens=12)
+    assert content == expected.content
