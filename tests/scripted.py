@@ -21,16 +21,7 @@ class ScriptedStream(TextStream):
         self.result: GenerationResult | None = None
         self.closed = False
 
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> str:
-        for event in self.events():
-            if event.delta:
-                return event.delta
-        raise StopIteration
-
-    def events(self):
+    def events(self):  # TextStream's iteration reads the deltas from here
         """As the engine's: each delta as it comes, the last one with the result."""
         while self.result is None:
             delta = self._left.pop(0) if self._left else ""
