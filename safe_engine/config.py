@@ -89,6 +89,22 @@ class GenerationConfig:
             "drafts the configured length in lockstep)"
         },
     )
+    token_healing: bool = field(
+        default=True,
+        metadata={
+            "doc": "hand a replaced position to the drafter as the token it would spell the chosen text with "
+            "(its likeliest token starting with it), never as a split its tokenizer does not make"
+        },
+    )
+    loop_guard: int | None = field(
+        default=None,
+        metadata={
+            "doc": "end an answer that repeats itself (finish_reason 'repetition') once a stretch of at least "
+            "loop_span bytes has occurred this many times in a row at its end; None: off (the paper's method)",
+            "cli": {"metavar": "REPEATS"},
+        },
+    )
+    loop_span: int = field(default=32, metadata={"doc": "shortest repeated stretch, in bytes, the loop guard counts"})
     timeout_s: float | None = field(
         default=None, metadata={"doc": "wall-clock limit of one generation in seconds (GenerationTimeout)"}
     )
@@ -129,6 +145,11 @@ class GenerationConfig:
         _choice("schedule", self.schedule, SCHEDULES)
         if not isinstance(self.adaptive_draft, bool):
             raise ConfigError(f"adaptive_draft must be True or False, got {self.adaptive_draft!r}")
+        if not isinstance(self.token_healing, bool):
+            raise ConfigError(f"token_healing must be True or False, got {self.token_healing!r}")
+        if self.loop_guard is not None:
+            _int_at_least("loop_guard", self.loop_guard, 2)
+        _int_at_least("loop_span", self.loop_span, 1)
         if self.timeout_s is not None and (
             isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0
         ):

@@ -62,6 +62,9 @@ class EnsemblePoint:
     aligned: bool  # every tokenizer had a token boundary here (always, with the boundary gate)
     candidates: list[tuple[str, float]]  # best ensemble candidates after sharpening, best first
     gates: tuple[str, ...]  # the gates that ran here: "boundary", "gac" (drafter prob < 0.5), "consensus"
+    # what the drafter was handed: the drafted token where it stood, else its token(s) carrying the pick (UniTE:
+    # one token; with token healing the drafter's own token starting with the pick, ":\n" for ":")
+    handed: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +75,7 @@ class GenerationResult:
     """Generated text (prompt excluded), why it ended, and the stats."""
 
     text: str
-    finish_reason: str  # "eos" | "length" | "stop"
+    finish_reason: str  # "eos" | "length" | "stop" | "repetition" (the loop guard)
     stats: EnsembleStats
     trace: list[EnsemblePoint] | None = None  # the ensemble points, in order, when asked for with trace=True
     # With tools: the calls read back from the text ([{"id", "name", "arguments": dict}]), the text around

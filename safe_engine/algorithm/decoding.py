@@ -36,14 +36,14 @@ import torch
 
 from ..errors import ConfigError, GenerationTimeout, InputError
 from ..runtime.members import Job, Member, Track
-from ..runtime.rows import Draws, LocalRow, Row
+from ..runtime.rows import Draws, LocalRow, Row, race_sample
 from ..shaping.constrained import Constraint
 from ..shaping.request import Request
 from ..stats import EnsemblePoint, EnsembleStats, GenerationResult
 from .aggregation import Pick, UnionVocab, eos_ids, token_string
 from .alignment import Verification
 from .decision import Judge, Verdict
-from .text import TextBuffer
+from .text import TextBuffer, ends_in_loop
 
 CARRY_LIMIT = 3  # judge anyway once the carried-over tokens exceed this many drafts (a verifier token that
 # keeps growing, like a long run of "=", must not postpone the decision forever)
@@ -133,7 +133,8 @@ class Generation:
         self.checks: list[Verification] = []  # this round's verifications
         self._to_draft = self._budget = 0
         self._verified: int | None = 0  # drafted tokens the verifiers see this round (all of them, but in overlap)
-        self._points: list[tuple[int, Verdict, bool]] = []  # this round's ensemble points (committed on accept)
+        # this round's ensemble points (committed on accept): position, verdict, replaced, the bytes handed over
+        self._points: list[tuple[int, Verdict, bool, bytes | None]] = []
         self._cut_short = False  # this round's draft ended early at an unsure token
         self._adaptive = config.adaptive_draft  # this round adapts its draft (never in a batch)
         self.error: BaseException | None = None  # why the request failed (it then holds no caches)
@@ -352,10 +353,12 @@ class Generation:
                 self.stats.deferred_positions += 1
                 self.pending = draft.cut(j)
                 return j, None
-            ids = self._ids_of(verdict.pick, draft.rows[j]) if verdict.pick is not None else None
+            pick = verdict.pick
+            ids = None if pick is None else self._ids_of(pick, draft.drawn[j], self.stats.tokens + j)
             replaced = ids is not None and ids != draft.ids[j : j + len(ids)]
             if verdict.ensembled:
-                self._points.append((j, verdict, replaced))
+                handed = b"".join(self.drafter.member.token_bytes[t] or b"" for t in ids) if ids else None
+                self._points.append((j, verdict, replaced, handed))
             if replaced:
                 self.stats.discarded_draft_tokens += len(draft) - j - 1
                 return j, ids
@@ -415,28 +418,54 @@ class Generation:
         first = member.vocab.first_id(text) if text else None
         return [first] if first is not None else eos_ids(member)
 
-    def _ids_of(self, pick: Pick, row: Row) -> list[int]:
+    def _ids_of(self, pick: Pick, row: Row, position: int) -> list[int]:
         """The drafter ids a pick becomes. UniTE hands the drafter one id, its first token of the string,
-        and lets it continue from there (as the reference does); GaC the whole string re-encoded."""
+        and lets it continue from there (as the reference does); GaC the whole string re-encoded.
+
+        With `token_healing` (the default), a pick the drafter spells with one token is handed as the token
+        the drafter itself would spell the text with: its likeliest token (under `row`, the distribution the
+        drafted token was drawn from) that starts with the pick and agrees with all of it. Why: a verifier's
+        token is often a piece of one of the drafter's (":" of ":\n", "\n" of "\n\n", " sub" of
+        " subspace"); handed the piece, the drafter continues from a split its tokenizer never makes, a
+        sequence it was not trained on (issue 31: such handovers preceded most loops of the accuracy study)."""
         member = self.drafter.member
         if pick.eos:
             return [min(member.eos_ids)]
         single = member.vocab.id_of_bytes.get(pick.text)
-        if single is not None:
-            return [single]
-        ids = member.vocab.encode(pick.text)[0]
-        return ids[:1] if self.strategy.aggregation == "unite" else ids
+        ids = [single] if single is not None else member.vocab.encode(pick.text)[0]
+        if self.strategy.aggregation == "unite":
+            ids = ids[:1]
+        if len(ids) == 1 and self.config.token_healing:
+            ids = [self._healed(ids[0], pick.text, row, position)]
+        return ids
+
+    def _healed(self, first: int, text: bytes, row: Row, position: int) -> int:
+        """The drafter's token that spells the start of `text` as the drafter would (see `_ids_of`)."""
+        vocab = self.drafter.member.vocab
+        start = vocab.token_bytes[first] or b""
+        spellings, ids = vocab.extensions(start)
+        if text != start:  # a pick of several drafter tokens: keep to spellings that agree with all of it
+            ids = [tid for b, tid in zip(spellings, ids) if b.startswith(text) or text.startswith(b)]
+        if len(ids) <= 1:
+            return first
+        logprobs = row.logprob(ids)
+        if not bool(torch.isfinite(logprobs).any()):
+            return first  # top-p left none of them: the pick's own token stands
+        if self.config.do_sample:
+            return ids[race_sample(logprobs, self.draws.key("heal", position))]
+        return ids[int(torch.argmax(logprobs))]
 
     def _commit_points(self, accepted: int) -> None:
         """Count this round's ensemble points among the `accepted` tokens (a stop string may end the text
         before some judged positions)."""
-        for j, verdict, replaced in self._points:
+        for j, verdict, replaced, handed in self._points:
             if j >= accepted:
                 break
             self.stats.ensembled_tokens += 1
             self.stats.replaced_tokens += replaced
             if self.trace is not None and verdict.point is not None:
-                self.trace.append(replace(verdict.point, replaced=replaced))
+                shown = verdict.point.drafted if handed is None else handed.decode("utf-8", errors="replace")
+                self.trace.append(replace(verdict.point, replaced=replaced, handed=shown))
         self._points = []
 
     # -- bookkeeping ------------------------------------------------------------------------------------
@@ -463,10 +492,15 @@ class Generation:
             drafter.ids = drafter.ids[:base] + ids
             drafter.cached = min(drafter.cached, base + kept)
             self.pending = Draft()
+        guard = self.config.loop_guard
         for n, piece in enumerate(pieces, 1):  # token by token: a stop string ends the count where it appears
             if self.buffer.append(piece):
                 ids = ids[:n]
                 self._finish("stop")
+                break
+            if guard is not None and piece and ends_in_loop(self.buffer.data, self.config.loop_span, guard):
+                ids = ids[:n]
+                self._finish("repetition")
                 break
         self.stats.tokens += len(ids)
         self._commit_points(len(ids))

@@ -111,15 +111,18 @@ class Vocab:
         pairs = sorted((b, tid) for tid, b in enumerate(self.token_bytes) if b)
         return [b for b, _ in pairs], [tid for _, tid in pairs]
 
+    def extensions(self, data: bytes) -> tuple[list[bytes], list[int]]:
+        """Spellings and ids of every token whose bytes start with `data` (`data` itself included), found
+        by two bisections of the sorted spellings (a lone space starts tens of thousands of tokens)."""
+        spellings, ids = self._sorted_spellings
+        lo = bisect_left(spellings, data)
+        hi = bisect_left(spellings, _successor(data), lo) if data.rstrip(b"\xff") else len(spellings)
+        return spellings[lo:hi], ids[lo:hi]
+
     def consistent_ids(self, data: bytes) -> list[int]:
         """Ids of every token that could start text beginning with `data`: tokens that extend `data`
         (" Incorrect" for " Inc") and tokens that are a proper prefix of it (" In")."""
-        spellings, ids = self._sorted_spellings
-        out = []
-        i = bisect_left(spellings, data)
-        while i < len(spellings) and spellings[i].startswith(data):
-            out.append(ids[i])
-            i += 1
+        out = list(self.extensions(data)[1])
         for k in range(1, len(data)):
             tid = self.id_of_bytes.get(data[:k])
             if tid is not None:
@@ -229,6 +232,12 @@ class Vocab:
             start = byte_at[char_start]
             starts.append(max(start, starts[-1]) if starts else start)
         return ids[skip:], starts
+
+
+def _successor(data: bytes) -> bytes:
+    """The smallest byte string above every string that starts with `data` (which has a byte below 0xff)."""
+    head = data.rstrip(b"\xff")
+    return head[:-1] + bytes([head[-1] + 1])
 
 
 def token_starts(vocab: Vocab, ids: list[int]) -> list[int]:

@@ -10,7 +10,7 @@ from typing import Any
 from ..stats import GenerationResult
 
 # The engine's finish reasons in OpenAI's words: an EOS or a stop string both "stop".
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "repetition": "stop"}  # the raw one: "safe" extra
 
 
 def new_id(prefix: str) -> str:

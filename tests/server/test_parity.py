@@ -74,6 +74,7 @@ CASES: dict[str, dict[str, Any]] = {
     "no sharpening": {"sharpening": None},
     "boundary gate only": {"gates": ["boundary"]},
     "rounds, fixed drafts": {"schedule": "rounds", "adaptive_draft": False},
+    "loop guard, no token healing": {"loop_guard": 2, "loop_span": 4, "token_healing": False},
     "tool_choice auto": {"tools": TOOLS},
     "tool_choice required": {"tools": TOOLS, "tool_choice": "required", "max_tokens": 80},
     "tool_choice named": {
@@ -88,7 +89,7 @@ CASES: dict[str, dict[str, Any]] = {
 }
 OPENAI_FIELDS = {"max_tokens", "temperature", "top_p", "seed", "stop", "tools", "tool_choice", "parallel_tool_calls"}
 OPENAI_FIELDS |= {"response_format"}
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "repetition": "stop"}
 
 Reply = tuple[str, list[tuple[str, dict]], str]  # content, tool calls (name, arguments), OpenAI finish reason
 
