@@ -347,6 +347,8 @@ def _engine_request(
     try:
         request = build_request(config=state.defaults, **options)
     except SafeEngineError as err:
+        if limit_name and err.option == "max_tokens":  # the request's own name for it
+            raise RequestError(400, str(err).replace("max_tokens", limit_name), param=limit_name) from None
         raise RequestError(400, str(err), param=err.option, code="invalid_value") from None
     window = ens.context_window
     limit = request.config.max_new_tokens
