@@ -53,7 +53,9 @@ def post(served, body: dict) -> httpx.Response:
 def sse_events(served, body: dict) -> list:
     """The raw stream, each event validated as the SDK's ResponseStreamEvent (its `event:` name = its type)."""
     events = []
-    with httpx.stream("POST", f"{served.v1}/responses", json={"model": MODEL, "stream": True, **body}, headers=AUTH) as r:
+    with httpx.stream(
+        "POST", f"{served.v1}/responses", json={"model": MODEL, "stream": True, **body}, headers=AUTH
+    ) as r:
         assert r.status_code == 200
         name = None
         for line in r.iter_lines():
