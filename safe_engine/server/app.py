@@ -348,7 +348,8 @@ def _engine_request(
         request = build_request(config=state.defaults, **options)
     except SafeEngineError as err:
         if limit_name and err.option == "max_tokens":  # the request's own name for it
-            raise RequestError(400, str(err).replace("max_tokens", limit_name), param=limit_name) from None
+            message = str(err).replace("max_tokens", limit_name)
+            raise RequestError(400, message, param=limit_name, code="invalid_value") from None
         raise RequestError(400, str(err), param=err.option, code="invalid_value") from None
     window = ens.context_window
     limit = request.config.max_new_tokens
@@ -625,8 +626,12 @@ async def _start(state: ServerState, ens: Ensemble, requests: list[EngineRequest
         for p, request in enumerate(requests):
             for copy in _copies(request, n):
                 batch.choices.append(_Choice(len(batch.choices), p, ens.astream(copy)))
+        # every start ends before any error is raised, so that closing the batch cancels each one submitted
+        outcomes = await asyncio.gather(*(c.stream.start() for c in batch.choices), return_exceptions=True)
         with _request_errors():
-            await asyncio.gather(*(c.stream.start() for c in batch.choices))
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
     except BaseException:
         await batch.close()
         raise

@@ -175,6 +175,15 @@ CASES = [
     ),
     ("lone surrogate", "POST", CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', AUTH, 400, None),
     ("prompt too long", "POST", CHAT, chat(messages=[{"role": "user", "content": "a " * 6000}]), AUTH, 400, None),
+    (
+        "one of two prompts too long",
+        "POST",
+        COMPLETIONS,
+        completion(prompt=["Hi", "a " * 6000], n=2, stream=True),
+        AUTH,
+        400,
+        None,
+    ),
     # limits and sampling
     ("max_tokens a string", "POST", CHAT, chat(max_tokens="ten"), AUTH, 400, "max_tokens"),
     ("max_tokens zero", "POST", CHAT, chat(max_tokens=0), AUTH, 400, "max_tokens"),

@@ -155,7 +155,11 @@ def start_cli(model_dirs: list[str], *extra: str) -> tuple[subprocess.Popen, str
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_cli_serves_then_shuts_down_gracefully_on_a_signal(model_dirs, sig):
-    proc, url = start_cli(model_dirs, "--api-key", KEY, "--served-model-name", MODEL, "--shutdown-timeout", "1")
+    proc, url = start_cli(
+        model_dirs,
+        *("--api-key", KEY, "--served-model-name", MODEL, "--shutdown-timeout", "1"),
+        *("--max-batch-size", "2", "--max-queue", "0"),
+    )
     try:
         assert url.startswith("http://127.0.0.1:")
         res = httpx.post(
@@ -163,6 +167,10 @@ def test_cli_serves_then_shuts_down_gracefully_on_a_signal(model_dirs, sig):
         )
         assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] <= 6
         assert httpx.post(f"{url}/v1/chat/completions", json={"messages": USER}, timeout=10).status_code == 401
+        # --max-queue 0 with a batch of 2: three choices can never be held at once
+        too_many = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "n": 3}, headers=AUTH, timeout=10)
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+        assert "safe_requests_total" in httpx.get(f"{url}/metrics", timeout=10).text
         body = {"model": MODEL, "messages": USER, "max_tokens": LONG, "stream": True}
         events = []
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as stream:
