@@ -99,6 +99,20 @@ def test_a_client_leaving_a_stream_cancels_its_generation(served, monkeypatch):
     assert served.ens.open_requests == 0 and live_caches() == 0
 
 
+def test_a_client_leaving_a_stream_of_several_choices_cancels_them_all(served, monkeypatch):
+    opened = keep_streams(monkeypatch, served.ens)
+    body = {"model": MODEL, "prompt": ["Once", "Twice"], "n": 2, "max_tokens": LONG, "stream": True}
+    with httpx.stream("POST", f"{served.v1}/completions", json=body, headers=AUTH, timeout=60) as res:
+        assert res.status_code == 200
+        for got, line in enumerate(line for line in res.iter_lines() if line.startswith("data: ")):
+            if got == 6:
+                break
+    served.wait_idle(timeout=20)
+    assert len(opened) == 4 and all(stream.result is None for stream in opened)
+    assert served.ens.open_requests == 0 and live_caches() == 0
+    assert served.server.server.config.app.state.safe.admitted == 0  # every place in the queue given back
+
+
 def test_a_client_leaving_a_plain_request_cancels_it(served, monkeypatch):
     opened = keep_streams(monkeypatch, served.ens)
     body = {"model": MODEL, "messages": USER, "max_tokens": LONG}
