@@ -104,7 +104,7 @@ def test_a_client_leaving_a_stream_of_several_choices_cancels_them_all(served, m
     body = {"model": MODEL, "prompt": ["Once", "Twice"], "n": 2, "max_tokens": LONG, "stream": True}
     with httpx.stream("POST", f"{served.v1}/completions", json=body, headers=AUTH, timeout=60) as res:
         assert res.status_code == 200
-        for got, line in enumerate(line for line in res.iter_lines() if line.startswith("data: ")):
+        for got, _ in enumerate(line for line in res.iter_lines() if line.startswith("data: ")):
             if got == 6:
                 break
     served.wait_idle(timeout=20)
