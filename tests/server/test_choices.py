@@ -43,13 +43,14 @@ def test_sampled_n_uses_seed_plus_i(client, served):
 
 
 def test_streamed_n_interleaves_choices_by_index(client, served):
+    tokens = 3 * TOKENS  # long enough that the choices share many rounds of the batch
     expected = [
-        served.ens.generate(messages=CHAT, max_new_tokens=TOKENS, temperature=0.9, seed=3 + i) for i in range(3)
+        served.ens.generate(messages=CHAT, max_new_tokens=tokens, temperature=0.9, seed=3 + i) for i in range(3)
     ]
     stream = client.chat.completions.create(
         model=MODEL,
         messages=CHAT,
-        max_tokens=TOKENS,
+        max_tokens=tokens,
         n=3,
         temperature=0.9,
         seed=3,
