@@ -22,7 +22,8 @@ def add_parser(sub: Any) -> None:
     """Register `serve` on the CLI's subparsers."""
     p = sub.add_parser(
         "serve",
-        help="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models, /health",
+        help="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, "
+        "/health, /metrics",
         description="Serve the ensemble as one OpenAI-compatible model. Generation flags set the defaults "
         "a request does not override.",
     )
@@ -37,6 +38,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--served-model-name", help="the model name clients use (default: the member names joined by +)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded at once (default 8)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="requests that may wait for a slot in the batch; beyond it a 503 with Retry-After (default: unbounded)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (default 4 MiB)")
     p.add_argument(
         "--shutdown-timeout",
@@ -53,6 +60,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError('--trace is per request when serving: send "trace": true in the request body')
     if args.max_batch_size < 1:
         raise ConfigError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if args.max_queue is not None and args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     # the defaults a request does not override, by the shared semantics; checked before the (slow) load
     defaults = build_request(" ", **{**options(args), "trace": False}).config
     try:
@@ -89,6 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         defaults=defaults,
         max_body_bytes=args.max_body_bytes,
+        max_queue=args.max_queue,
         on_ready=ready,
         on_load_error=failed,
     )

@@ -1,7 +1,10 @@
-"""The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/models, and /health.
+"""The FastAPI app: OpenAI's /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health and
+Prometheus' /metrics.
 
 `create_app(ensemble_or_loader, ...)` takes a loaded `Ensemble`, or a callable that loads one (run in a
-thread at startup, so /health answers 503 while the members load). Request bodies are read and
+thread at startup, so /health answers 503 while the members load). Every choice of a request (`n`, the
+prompts of a completions request) is one request to the engine, submitted together so that they decode in
+one batch; `max_queue` bounds how many may wait for the batch (beyond it: 503). Request bodies are read and
 validated here rather than by FastAPI, so that every refusal is OpenAI's error shape with the right
 status (400 instead of FastAPI's 422, 413 for oversized bodies) and names the offending field.
 """
@@ -10,11 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,12 +32,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import GenerationConfig
 from ..engine.ensemble import AsyncTextStream, Ensemble
 from ..errors import ConfigError, GenerationTimeout, InputError, InputTypeError, MemberError, SafeEngineError
+from ..runtime.vocab import tokenizer_lock
 from ..shaping.reply import StreamEvent
 from ..shaping.request import Request as EngineRequest
 from ..shaping.request import build_request
 from ..stats import GenerationResult
 from . import openai_shapes as shapes
+from . import responses as rsp
+from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
 from .schemas import (
+    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     Message,
@@ -43,6 +51,7 @@ from .schemas import (
 )
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+RETRY_AFTER_S = 1  # what a 503 tells clients to wait before retrying (the openai SDK honours it)
 _IDLE_WAIT_S = 30.0  # at shutdown, how long the last round (already cancelled) may take to end
 
 
@@ -55,6 +64,10 @@ class ServerState:
     defaults: GenerationConfig
     max_batch_size: int | None
     max_body_bytes: int
+    max_queue: int | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    # engine requests this server has submitted and not yet ended (running, waiting or being tokenized)
+    admitted: int = 0
     ensemble: Ensemble | None = None
     load_error: BaseException | None = None
     created: int = field(default_factory=shapes.now)
@@ -78,6 +91,7 @@ def create_app(
     defaults: GenerationConfig | None = None,
     max_batch_size: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_queue: int | None = None,
     on_ready: Callable[[ServerState], None] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
@@ -86,12 +100,16 @@ def create_app(
     `defaults` are the generation settings a request does not override (max_tokens, method, ...);
     `max_batch_size`, when given, sets the ensemble's bound on the requests decoded at once (the others
     wait their turn; the ensemble's scheduler decodes every request, there is no pool here); `api_key`, when
-    set, is required as `Authorization: Bearer <key>` on /v1 routes (/health stays open for probes).
+    set, is required as `Authorization: Bearer <key>` on /v1 routes (/health stays open for probes);
+    `max_queue`, when given, is how many requests (choices) may wait for a slot in the batch: a request that
+    would make more wait is refused at once with a 503 and `Retry-After` (None: no bound).
     """
     if max_batch_size is not None and (
         isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1
     ):
         raise ConfigError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+    if max_queue is not None and (isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0):
+        raise ConfigError(f"max_queue must be an integer >= 0 (or None: unbounded), got {max_queue!r}")
     if api_key is not None and not api_key:
         raise ConfigError("api_key is empty; pass a non-empty key, or None to serve without one")
     state = ServerState(
@@ -100,6 +118,7 @@ def create_app(
         defaults=defaults or GenerationConfig(),
         max_batch_size=max_batch_size,
         max_body_bytes=max_body_bytes,
+        max_queue=max_queue,
     )
 
     @asynccontextmanager
@@ -114,6 +133,7 @@ def create_app(
 
     app = FastAPI(title="safe-engine", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.safe = state
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -137,8 +157,13 @@ def create_app(
         _check_model(state, name)
         return JSONResponse(_card(state, ens))
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        arrived = time.monotonic()
         ens = _ready(state, request)
         req = parse_request(ChatCompletionRequest, await _json_body(request, state.max_body_bytes))
         assert isinstance(req, ChatCompletionRequest)
@@ -156,41 +181,47 @@ def create_app(
             response_format=req.response_format,
             max_completion_tokens=req.max_completion_tokens,
         )
-        stream = ens.astream(engine_request)
+        batch = await _start(state, ens, [engine_request], req.n or 1, arrived)
         if req.stream:
-            with _request_errors():
-                await stream.start()  # a request the engine refuses is still a plain 4xx
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_chat_events(stream, state, ens, name, include_usage))
-        result = await _result(stream, _interruption(state, request))
-        return JSONResponse(
-            shapes.chat_completion(shapes.new_id("chatcmpl"), name, shapes.now(), result, _drafter(ens))
-        )
+            return _sse(_chat_events(batch, state, ens, name, include_usage), batch)
+        results = await _results(batch, _interruption(state, request))
+        usage = _usage(batch, results, _drafter(ens))
+        return JSONResponse(shapes.chat_completion(shapes.new_id("chatcmpl"), name, shapes.now(), results, usage))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        arrived = time.monotonic()
         ens = _ready(state, request)
         req = parse_request(CompletionRequest, await _json_body(request, state.max_body_bytes))
         assert isinstance(req, CompletionRequest)
         name = _check_model(state, req.model)
-        prompt = req.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise RequestError(
-                    400,
-                    f"prompt lists {len(prompt)} prompts; this server completes one prompt per request",
-                    param="prompt",
-                    code="unsupported_value",
-                )
-            prompt = prompt[0]
-        stream = ens.astream(_engine_request(req, state, ens, prompt=prompt))
+        prompts = _prompts(req.prompt, ens)
+        engine_requests = [_engine_request(req, state, ens, prompt=prompt) for prompt in prompts]
+        batch = await _start(state, ens, engine_requests, req.n or 1, arrived)
+        echo = prompts if req.echo else None
         if req.stream:
-            with _request_errors():
-                await stream.start()
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_completion_events(stream, state, ens, name, include_usage))
-        result = await _result(stream, _interruption(state, request))
-        return JSONResponse(shapes.text_completion(shapes.new_id("cmpl"), name, shapes.now(), result, _drafter(ens)))
+            return _sse(_completion_events(batch, state, ens, name, include_usage, echo), batch)
+        results = await _results(batch, _interruption(state, request))
+        usage = _usage(batch, results, _drafter(ens))
+        texts = [(echo[c.prompt_index] if echo else "") + r.text for c, r in zip(batch.choices, results)]
+        return JSONResponse(shapes.text_completion(shapes.new_id("cmpl"), name, shapes.now(), results, texts, usage))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        arrived = time.monotonic()
+        ens = _ready(state, request)
+        req = rsp.parse(await _json_body(request, state.max_body_bytes))
+        name = _check_model(state, req.model)
+        inputs = rsp.engine_inputs(req)
+        engine_request = _engine_request(req, state, ens, **inputs)
+        batch = await _start(state, ens, [engine_request], 1, arrived)
+        echo = rsp.echoed(req, name)
+        if req.stream:
+            return _sse(_response_events(batch, state, ens, echo), batch)
+        (result,) = await _results(batch, _interruption(state, request))
+        return JSONResponse(rsp.response(echo, result, _usage(batch, [result], _drafter(ens))))
 
     return app
 
@@ -217,6 +248,7 @@ def _serve(state: ServerState, ens: Ensemble, on_ready: Callable[[ServerState], 
     if state.max_batch_size is not None:
         ens.max_batch_size = state.max_batch_size
     state.ensemble = ens
+    state.metrics.watch(lambda: ens.running_requests, lambda: ens.waiting_requests, lambda: ens.max_batch_size)
     if on_ready is not None:
         on_ready(state)
 
@@ -301,22 +333,28 @@ def _check_model(state: ServerState, model: str | None) -> str:
     return name
 
 
-def _engine_request(req: Any, state: ServerState, ens: Ensemble, **inputs: Any) -> EngineRequest:
+def _engine_request(
+    req: Any, state: ServerState, ens: Ensemble, limit_name: str | None = None, **inputs: Any
+) -> EngineRequest:
     """The engine's Request (`build_request`, as at every door): OpenAI's fields by the engine's shared
-    semantics, the SAFE knobs by their own names, the server's defaults underneath."""
+    semantics, the SAFE knobs by their own names, the server's defaults underneath. `limit_name`: what the
+    request calls its token limit, for the error when it is too large."""
     options = {k: v for k, v in inputs.items() if v is not None}
     for name in ("max_tokens", "temperature", "top_p", "seed", "stop"):
-        if getattr(req, name) is not None:
+        if getattr(req, name, None) is not None:
             options[name] = getattr(req, name)
     options.update(req.model_extra or {})  # the SAFE knobs (parse_request refused any other extra field)
     try:
         request = build_request(config=state.defaults, **options)
     except SafeEngineError as err:
+        if limit_name and err.option == "max_tokens":  # the request's own name for it
+            message = str(err).replace("max_tokens", limit_name)
+            raise RequestError(400, message, param=limit_name, code="invalid_value") from None
         raise RequestError(400, str(err), param=err.option, code="invalid_value") from None
     window = ens.context_window
     limit = request.config.max_new_tokens
     if window is not None and limit > window:
-        param = "max_completion_tokens" if "max_completion_tokens" in options else "max_tokens"
+        param = limit_name or ("max_completion_tokens" if "max_completion_tokens" in options else "max_tokens")
         raise RequestError(
             400,
             f"{param}={limit} is more than the ensemble's context window of {window} tokens; lower it",
@@ -464,7 +502,7 @@ def _request_errors() -> Iterator[None]:
         raise engine_error(err) from None
 
 
-async def _events(stream: AsyncTextStream, check: Check, tick: float = 0.25) -> AsyncIterator[StreamEvent]:
+async def _events(stream: AsyncTextStream, check: Check, tick: float = 0.25) -> AsyncGenerator[StreamEvent, None]:
     """The engine stream's events; `check` runs every `tick` seconds whether events come or not, and a
     reason from it ends the request. However this ends, the request is cancelled and its caches freed."""
     events = stream.events()
@@ -498,12 +536,192 @@ async def _events(stream: AsyncTextStream, check: Check, tick: float = 0.25) -> 
         await stream.aclose()
 
 
-async def _result(stream: AsyncTextStream, check: Check) -> GenerationResult:
-    """Run a non-streaming request to its result; a client that leaves cancels it."""
-    async for event in _events(stream, check):
-        if event.result is not None:
-            return event.result
-    raise RequestError(500, "the generation ended without a result", code="internal_error", type="server_error")
+@dataclass
+class _Choice:
+    """One choice of a request: its engine stream, which prompt it answers, when its first token came."""
+
+    index: int
+    prompt_index: int
+    stream: AsyncTextStream
+    first_token: float | None = None
+    result: GenerationResult | None = None
+
+
+@dataclass
+class _Batch:
+    """The choices of one HTTP request, decoded together; `close` (idempotent) cancels what is still running
+    and gives their places in the queue back."""
+
+    state: ServerState
+    choices: list[_Choice]
+    arrived: float
+    drafter: str  # usage and metrics count in the drafter's tokenization
+    held: int = 0  # places in `state.admitted` still held
+
+    async def close(self) -> None:
+        for choice in self.choices:
+            await choice.stream.aclose()
+        self.release(self.held)
+
+    def release(self, count: int) -> None:
+        count = min(count, self.held)
+        self.held -= count
+        self.state.admitted -= count
+
+    def finished(self, choice: _Choice, result: GenerationResult) -> None:
+        choice.result = result
+        prompt_tokens = int(result.stats.prompt_tokens.get(self.drafter, 0))
+        self.state.metrics.finished(result, prompt_tokens, choice.first_token, time.monotonic(), self.arrived)
+        self.release(1)
+
+
+def _copies(request: EngineRequest, n: int) -> list[EngineRequest]:
+    """n requests for n choices: seeds seed, seed + 1, ... when sampling with a seed (so the choices differ
+    and each is reproducible); the same request otherwise (greedy choices are identical, as in vLLM)."""
+    config = request.config
+    if n == 1 or not config.do_sample or config.seed is None:
+        return [request] * n
+    copies = []
+    for i in range(n):
+        try:
+            copies.append(dataclasses.replace(request, config=config.updated(seed=config.seed + i)))
+        except SafeEngineError as err:
+            raise RequestError(400, f"seed + {i} for choice {i}: {err}", param="seed", code="invalid_value") from None
+    return copies
+
+
+async def _start(state: ServerState, ens: Ensemble, requests: list[EngineRequest], n: int, arrived: float) -> _Batch:
+    """Admit and start every choice (n per request, prompt-major, as OpenAI numbers them): refused at once
+    with a 503 when the queue is full, a plain 4xx when the engine refuses an input."""
+    count = len(requests) * n
+    if count > MAX_CHOICES:
+        raise RequestError(
+            400,
+            f"{len(requests)} prompts x n={n} is {count} choices; at most {MAX_CHOICES} per request",
+            param="n",
+            code="invalid_value",
+        )
+    if state.max_queue is not None:
+        room = ens.max_batch_size + state.max_queue
+        if count > room:
+            raise RequestError(
+                400,
+                f"this request asks for {count} choices, more than the server holds at once ({ens.max_batch_size} "
+                f"decoding + {state.max_queue} waiting); lower n or send fewer prompts",
+                param="n",
+                code="invalid_value",
+            )
+        if state.admitted + count > room:
+            state.metrics.rejected.inc()
+            raise RequestError(
+                503,
+                f"the server is at capacity ({state.admitted} requests decoding or waiting, queue bound "
+                f"{state.max_queue}); retry in {RETRY_AFTER_S} s",
+                code="queue_full",
+                type="server_error",
+            )
+    state.admitted += count
+    batch = _Batch(state, [], arrived, _drafter(ens), held=count)
+    try:
+        for p, request in enumerate(requests):
+            for copy in _copies(request, n):
+                batch.choices.append(_Choice(len(batch.choices), p, ens.astream(copy)))
+        # every start ends before any error is raised, so that closing the batch cancels each one submitted
+        outcomes = await asyncio.gather(*(c.stream.start() for c in batch.choices), return_exceptions=True)
+        with _request_errors():
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+    except BaseException:
+        await batch.close()
+        raise
+    return batch
+
+
+async def _choice_events(batch: _Batch, check: Check) -> AsyncIterator[tuple[_Choice, StreamEvent]]:
+    """The events of every choice as they come, each with its choice; the batch is closed however this ends."""
+    sources = {c.index: _events(c.stream, check) for c in batch.choices}
+    pending: dict[asyncio.Future[StreamEvent], _Choice] = {}
+    try:
+        for choice in batch.choices:
+            pending[asyncio.ensure_future(anext(sources[choice.index]))] = choice
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=lambda t: pending[t].index):
+                choice = pending.pop(task)
+                try:
+                    event = task.result()
+                except StopAsyncIteration:
+                    continue
+                if choice.first_token is None and (event.delta or event.result is not None):
+                    choice.first_token = time.monotonic()
+                if event.result is not None:
+                    batch.finished(choice, event.result)
+                yield choice, event
+                pending[asyncio.ensure_future(anext(sources[choice.index]))] = choice
+    finally:
+        for task in pending:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        for source in sources.values():
+            await source.aclose()
+        await batch.close()
+
+
+async def _results(batch: _Batch, check: Check) -> list[GenerationResult]:
+    """Run every choice of a non-streaming request to its result; a client that leaves cancels them all."""
+    async for _ in _choice_events(batch, check):
+        pass
+    results = [c.result for c in batch.choices]
+    if any(r is None for r in results):
+        raise RequestError(500, "a generation ended without a result", code="internal_error", type="server_error")
+    return [r for r in results if r is not None]
+
+
+def _usage(batch: _Batch, results: list[GenerationResult], drafter: str) -> dict[str, int]:
+    """OpenAI's usage for several choices: each prompt's tokens once (the n choices of a prompt share it),
+    every choice's completion tokens."""
+    prompt = completion = 0
+    counted: set[int] = set()
+    for choice, result in zip(batch.choices, results):
+        if choice.prompt_index not in counted:
+            counted.add(choice.prompt_index)
+            prompt += int(result.stats.prompt_tokens.get(drafter, 0))
+        completion += int(result.stats.tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]], ens: Ensemble) -> list[str]:
+    """A completions request's prompts as text: token ids are the drafter's, decoded with its tokenizer."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestError(400, "prompt is an empty list; send a string or a list of strings", param="prompt")
+    if isinstance(prompt[0], int):
+        return [_decode(prompt, ens, "prompt")]
+    if isinstance(prompt[0], list):
+        return [_decode(ids, ens, f"prompt[{i}]") for i, ids in enumerate(prompt)]
+    return prompt
+
+
+def _decode(ids: list[int], ens: Ensemble, param: str) -> str:
+    tokenizer = ens.drafter.tokenizer
+    size = len(tokenizer)
+    bad = next((t for t in ids if not 0 <= t < size), None)
+    if bad is not None:
+        raise RequestError(
+            400,
+            f"{param} holds token id {bad}, outside the drafter's vocabulary (0..{size - 1}); token-id prompts are "
+            f"in the drafter's ({_drafter(ens)}) tokenization",
+            param=param,
+            code="invalid_value",
+        )
+    with tokenizer_lock(tokenizer):
+        text = tokenizer.decode(ids, skip_special_tokens=True)  # each member adds its own BOS when it encodes
+    if not text:
+        raise RequestError(400, f"{param} decodes to no text", param=param, code="invalid_value")
+    return str(text)
 
 
 def _interrupted(err: Interrupted) -> RequestError:
@@ -515,69 +733,119 @@ def _interrupted(err: Interrupted) -> RequestError:
 
 
 async def _chat_events(
-    stream: AsyncTextStream, state: ServerState, ens: Ensemble, name: str, include_usage: bool
+    batch: _Batch, state: ServerState, ens: Ensemble, name: str, include_usage: bool
 ) -> AsyncIterator[bytes]:
+    """A chat stream: each choice's chunks carry its `index`, interleaved as the choices decode."""
     rid, created = shapes.new_id("chatcmpl"), shapes.now()
     try:
-        yield shapes.sse(shapes.chat_chunk(rid, name, created, {"role": "assistant", "content": ""}))
-        async for event in _events(stream, _stream_check(state)):
+        for choice in batch.choices:
+            yield shapes.sse(
+                shapes.chat_chunk(rid, name, created, {"role": "assistant", "content": ""}, i=choice.index)
+            )
+        async for choice, event in _choice_events(batch, _stream_check(state)):
+            i = choice.index
             if event.content:
-                yield shapes.sse(shapes.chat_chunk(rid, name, created, {"content": event.content}))
+                yield shapes.sse(shapes.chat_chunk(rid, name, created, {"content": event.content}, i=i))
             result = event.result
             if result is None:
                 continue
-            for index, call in enumerate(shapes.tool_calls(result)):
-                yield shapes.sse(shapes.chat_chunk(rid, name, created, {"tool_calls": [{"index": index, **call}]}))
+            for k, call in enumerate(shapes.tool_calls(result)):
+                yield shapes.sse(shapes.chat_chunk(rid, name, created, {"tool_calls": [{"index": k, **call}]}, i=i))
             safe = shapes.safe_stats(result)
-            yield shapes.sse(shapes.chat_chunk(rid, name, created, {}, shapes.finish_reason(result), safe=safe))
-            if include_usage:
-                usage = shapes.usage(result, _drafter(ens))
-                yield shapes.sse(shapes.chat_chunk(rid, name, created, None, usage=usage, safe=safe))
+            yield shapes.sse(shapes.chat_chunk(rid, name, created, {}, shapes.finish_reason(result), i=i, safe=safe))
+        if include_usage:
+            usage = _usage(batch, _finished(batch), batch.drafter)
+            safe = shapes.safe_stats(_finished(batch)[0])
+            yield shapes.sse(shapes.chat_chunk(rid, name, created, None, usage=usage, safe=safe))
     except RequestError as err:  # after the 200: the error travels as an event, as OpenAI's streams do
         yield shapes.sse(shapes.error_body(err.message, err.type, err.param, err.code))
+    finally:
+        await batch.close()
     yield shapes.sse("[DONE]")
 
 
 async def _completion_events(
-    stream: AsyncTextStream, state: ServerState, ens: Ensemble, name: str, include_usage: bool
+    batch: _Batch, state: ServerState, ens: Ensemble, name: str, include_usage: bool, echo: list[str] | None
 ) -> AsyncIterator[bytes]:
+    """A completions stream: the echoed prompt first (with `echo`), then each choice's deltas by `index`."""
     rid, created = shapes.new_id("cmpl"), shapes.now()
     try:
-        async for event in _events(stream, _stream_check(state)):
-            result = event.result
+        if echo is not None:
+            for choice in batch.choices:
+                yield shapes.sse(shapes.completion_chunk(rid, name, created, echo[choice.prompt_index], i=choice.index))
+        async for choice, event in _choice_events(batch, _stream_check(state)):
+            i, result = choice.index, event.result
             if event.delta or result is None:
-                yield shapes.sse(shapes.completion_chunk(rid, name, created, event.delta))
+                yield shapes.sse(shapes.completion_chunk(rid, name, created, event.delta, i=i))
             if result is None:
                 continue
             safe = shapes.safe_stats(result)
-            yield shapes.sse(shapes.completion_chunk(rid, name, created, "", shapes.finish_reason(result), safe=safe))
-            if include_usage:
-                usage = shapes.usage(result, _drafter(ens))
-                yield shapes.sse(shapes.completion_chunk(rid, name, created, None, usage=usage, safe=safe))
+            yield shapes.sse(
+                shapes.completion_chunk(rid, name, created, "", shapes.finish_reason(result), i=i, safe=safe)
+            )
+        if include_usage:
+            usage = _usage(batch, _finished(batch), batch.drafter)
+            safe = shapes.safe_stats(_finished(batch)[0])
+            yield shapes.sse(shapes.completion_chunk(rid, name, created, None, usage=usage, safe=safe))
     except RequestError as err:
         yield shapes.sse(shapes.error_body(err.message, err.type, err.param, err.code))
+    finally:
+        await batch.close()
     yield shapes.sse("[DONE]")
 
 
+async def _response_events(
+    batch: _Batch, state: ServerState, ens: Ensemble, echo: dict[str, Any]
+) -> AsyncIterator[bytes]:
+    """A Responses API stream: OpenAI's typed events, numbered by `sequence_number`."""
+    events = rsp.EventWriter(echo)
+    try:
+        for body in events.begin():
+            yield shapes.sse_event(body)
+        async for _, event in _choice_events(batch, _stream_check(state)):
+            if event.content:
+                for body in events.text(event.content):
+                    yield shapes.sse_event(body)
+            if event.result is not None:
+                usage = _usage(batch, [event.result], batch.drafter)
+                for body in events.end(event.result, usage):
+                    yield shapes.sse_event(body)
+    except RequestError as err:
+        yield shapes.sse_event(events.error(err.message, err.code))
+    finally:
+        await batch.close()
+
+
+def _finished(batch: _Batch) -> list[GenerationResult]:
+    return [c.result for c in batch.choices if c.result is not None]
+
+
 class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that always closes its body generator, even when the client vanished, so the
-    generation behind it is cancelled and its caches freed right away."""
+    """A StreamingResponse that always closes its body generator and its batch, even when the client vanished
+    before the body started, so the generations behind it are cancelled and their caches freed right away."""
+
+    def __init__(self, body: AsyncIterator[bytes], batch: _Batch, **kwargs: Any) -> None:
+        super().__init__(body, **kwargs)
+        self.batch = batch
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.batch.close()
 
 
-def _sse(body: AsyncIterator[bytes]) -> Response:
+def _sse(body: AsyncIterator[bytes], batch: _Batch) -> Response:
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return _SSEResponse(body, media_type="text/event-stream", headers=headers)
+    return _SSEResponse(body, batch, media_type="text/event-stream", headers=headers)
 
 
 # -- errors ----------------------------------------------------------------------------------------------------
 def error_response(err: RequestError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    if err.status == 503:  # loading, shutting down or at capacity: all pass
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
     body = shapes.error_body(err.message, err.type, err.param, err.code)
     return _AsciiJSON(body, status_code=err.status, headers=headers)
 

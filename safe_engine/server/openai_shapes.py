@@ -27,6 +27,11 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+def sse_event(data: dict[str, Any]) -> bytes:
+    """One server-sent event named by its `type` (the Responses API's streams name each event)."""
+    return f"event: {data['type']}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
 def usage(result: GenerationResult, drafter: str) -> dict[str, int]:
     """Token counts in the drafter's tokenization (the text the client sees is the drafter's)."""
     prompt = int(result.stats.prompt_tokens.get(drafter, 0))
@@ -66,19 +71,27 @@ def finish_reason(result: GenerationResult) -> str:
     return FINISH_REASONS.get(result.finish_reason, "stop")
 
 
-def chat_completion(request_id: str, model: str, created: int, result: GenerationResult, drafter: str) -> dict:
-    message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
-    if result.tool_calls:
-        message["tool_calls"] = tool_calls(result)
-        message["content"] = result.content or None
+def chat_completion(
+    request_id: str, model: str, created: int, results: list[GenerationResult], usage: dict[str, int]
+) -> dict:
+    """A chat.completion with one choice per result; each choice carries its `safe` statistics, and the
+    top-level `safe` is the first choice's."""
+    choices = []
+    for index, result in enumerate(results):
+        message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
+        if result.tool_calls:
+            message["tool_calls"] = tool_calls(result)
+            message["content"] = result.content or None
+        choice = {"index": index, "message": message, "finish_reason": finish_reason(result), "logprobs": None}
+        choices.append({**choice, "safe": safe_stats(result)})
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result), "logprobs": None}],
-        "usage": usage(result, drafter),
-        "safe": safe_stats(result),
+        "choices": choices,
+        "usage": usage,
+        "safe": choices[0]["safe"],
     }
 
 
@@ -88,35 +101,55 @@ def chat_chunk(
     created: int,
     delta: dict[str, Any] | None = None,
     finish: str | None = None,
+    i: int = 0,
     **extra: Any,
 ) -> dict[str, Any]:
-    """A chat.completion.chunk; `delta=None` with `extra` usage makes the usage-only chunk (no choices)."""
+    """A chat.completion.chunk of choice `i`; `delta=None` with `extra` usage makes the usage-only chunk (no
+    choices)."""
     chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     chunk["choices"] = (
-        [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        [] if delta is None else [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}]
     )
     chunk.update(extra)
     return chunk
 
 
-def text_completion(request_id: str, model: str, created: int, result: GenerationResult, drafter: str) -> dict:
+def text_completion(
+    request_id: str,
+    model: str,
+    created: int,
+    results: list[GenerationResult],
+    texts: list[str],
+    usage: dict[str, int],
+) -> dict:
+    """A text_completion with one choice per result (`texts`: each choice's text, echoed prompt included)."""
+    choices = [
+        {"index": i, "text": text, "finish_reason": finish_reason(r), "logprobs": None, "safe": safe_stats(r)}
+        for i, (r, text) in enumerate(zip(results, texts))
+    ]
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": result.text, "finish_reason": finish_reason(result), "logprobs": None}],
-        "usage": usage(result, drafter),
-        "safe": safe_stats(result),
+        "choices": choices,
+        "usage": usage,
+        "safe": choices[0]["safe"],
     }
 
 
 def completion_chunk(
-    request_id: str, model: str, created: int, text: str | None, finish: str | None = None, **extra: Any
+    request_id: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish: str | None = None,
+    i: int = 0,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """A streamed text_completion; `text=None` makes the usage-only chunk (no choices)."""
+    """A streamed text_completion of choice `i`; `text=None` makes the usage-only chunk (no choices)."""
     chunk: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-    chunk["choices"] = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+    chunk["choices"] = [] if text is None else [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}]
     chunk.update(extra)
     return chunk
 

@@ -3,7 +3,7 @@
 Why strict: an OpenAI client that sends `n=3` or `logprobs=true` to a server that silently ignores them
 gets an answer to a question it did not ask. So every field of OpenAI's chat and completions APIs is
 either mapped onto the engine, accepted because it cannot change the output (`user`, `metadata`, ...), or
-accepted only at its neutral value (`n=1`, `logprobs=false`, `presence_penalty=0`, ...). Unknown fields
+accepted only at its neutral value (`best_of=1`, `logprobs=false`, `presence_penalty=0`, ...). Unknown fields
 are refused too, except the SAFE knobs (`method`, `aggregation`, ...), which clients send as extra body
 fields (`extra_body=` in the openai SDK, LangChain and LlamaIndex).
 """
@@ -16,6 +16,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import GenerationConfig
+
+#: The most choices one request may ask for (`n`, times the prompts of a completions request): each is one
+#: request in the engine's batch, so a bound keeps one client from filling the queue alone.
+MAX_CHOICES = 64
 
 # GenerationConfig fields a request may set by their own name (extra body fields); the others have OpenAI
 # names (max_tokens, stop, temperature, top_p, seed).
@@ -30,8 +34,7 @@ BOOKKEEPING = ("user", "metadata", "safety_identifier", "prompt_cache_key")
 # anything else is refused.
 _TEXT_FORMAT = {"type": "text"}
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((None, 1), "one choice per request; send n separate requests (with different seeds when sampling)"),
-    "best_of": ((None, 1), "one choice per request"),
+    "best_of": ((None, 1), "choosing the best of several needs one score per choice; use n and choose yourself"),
     "logprobs": ((None, False), "the ensemble has no single distribution per token to report"),
     "top_logprobs": ((None, 0), "the ensemble has no single distribution per token to report"),
     "presence_penalty": ((None, 0), "penalties are not implemented; leave it at 0"),
@@ -47,12 +50,11 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "reasoning_effort": ((None,), "the members have no reasoning-effort setting"),
     "verbosity": ((None,), "the members have no verbosity setting"),
     "moderation": ((None,), "moderation is not available"),
-    "store": ((None, False), "completions are not stored"),
+    "store": ((None, False), "nothing is stored on this server; send store=false or omit it"),
     "service_tier": ((None, "auto", "default"), "there is one service tier"),
     "prompt_cache_options": ((None,), "prompt caching options are not implemented"),
     "prompt_cache_retention": ((None,), "prompt caching options are not implemented"),
-    "echo": ((None, False), "echo is not implemented; prepend the prompt yourself"),
-    "suffix": ((None, ""), "insertion (suffix) is not implemented"),
+    "suffix": ((None, ""), "insertion needs fill-in-the-middle; the members continue a prompt left to right"),
 }
 
 
@@ -138,8 +140,8 @@ class _Request(BaseModel):
     metadata: dict[str, Any] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # choices, each decoded as one request
     # unsupported unless neutral (see UNSUPPORTED)
-    n: Any = None
     best_of: Any = None
     logprobs: Any = None
     top_logprobs: Any = None
@@ -179,8 +181,9 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str]
-    echo: Any = None
+    # a string, several strings, or token ids (one prompt's, or several) in the drafter's vocabulary
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
     suffix: Any = None
 
 
@@ -204,7 +207,7 @@ class RequestError(Exception):
         self.type = type
 
 
-def parse_request(cls: type[_Request], body: dict[str, Any]) -> _Request:
+def parse_request(cls: type[BaseModel], body: dict[str, Any]) -> BaseModel:
     """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
     try:
         request = cls.model_validate(body)
@@ -225,7 +228,7 @@ def parse_request(cls: type[_Request], body: dict[str, Any]) -> _Request:
     return request
 
 
-def check_extra_fields(request: _Request) -> None:
+def check_extra_fields(request: BaseModel) -> None:
     unknown = sorted(set(request.model_extra or {}) - set(SAFE_KNOBS))
     if unknown:
         raise RequestError(
@@ -236,7 +239,7 @@ def check_extra_fields(request: _Request) -> None:
         )
 
 
-def check_unsupported(request: _Request) -> None:
+def check_unsupported(request: BaseModel) -> None:
     for name, (neutral, why) in UNSUPPORTED.items():
         if name not in type(request).model_fields:
             continue
@@ -265,7 +268,7 @@ def _param(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "list[ContentPart]", "NamedToolChoice", "list[str]"):
+        elif part in ("str", "list[ContentPart]", "NamedToolChoice", "list[str]", "list[int]", "list[list[int]]"):
             continue  # the union member pydantic tried: not part of the field's path
         elif part.startswith(("literal[", "function-")):
             continue

@@ -99,6 +99,20 @@ def test_a_client_leaving_a_stream_cancels_its_generation(served, monkeypatch):
     assert served.ens.open_requests == 0 and live_caches() == 0
 
 
+def test_a_client_leaving_a_stream_of_several_choices_cancels_them_all(served, monkeypatch):
+    opened = keep_streams(monkeypatch, served.ens)
+    body = {"model": MODEL, "prompt": ["Once", "Twice"], "n": 2, "max_tokens": LONG, "stream": True}
+    with httpx.stream("POST", f"{served.v1}/completions", json=body, headers=AUTH, timeout=60) as res:
+        assert res.status_code == 200
+        for got, _ in enumerate(line for line in res.iter_lines() if line.startswith("data: ")):
+            if got == 6:
+                break
+    served.wait_idle(timeout=20)
+    assert len(opened) == 4 and all(stream.result is None for stream in opened)
+    assert served.ens.open_requests == 0 and live_caches() == 0
+    assert served.server.server.config.app.state.safe.admitted == 0  # every place in the queue given back
+
+
 def test_a_client_leaving_a_plain_request_cancels_it(served, monkeypatch):
     opened = keep_streams(monkeypatch, served.ens)
     body = {"model": MODEL, "messages": USER, "max_tokens": LONG}
@@ -155,7 +169,11 @@ def start_cli(model_dirs: list[str], *extra: str) -> tuple[subprocess.Popen, str
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_cli_serves_then_shuts_down_gracefully_on_a_signal(model_dirs, sig):
-    proc, url = start_cli(model_dirs, "--api-key", KEY, "--served-model-name", MODEL, "--shutdown-timeout", "1")
+    proc, url = start_cli(
+        model_dirs,
+        *("--api-key", KEY, "--served-model-name", MODEL, "--shutdown-timeout", "1"),
+        *("--max-batch-size", "2", "--max-queue", "0"),
+    )
     try:
         assert url.startswith("http://127.0.0.1:")
         res = httpx.post(
@@ -163,6 +181,10 @@ def test_cli_serves_then_shuts_down_gracefully_on_a_signal(model_dirs, sig):
         )
         assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] <= 6
         assert httpx.post(f"{url}/v1/chat/completions", json={"messages": USER}, timeout=10).status_code == 401
+        # --max-queue 0 with a batch of 2: three choices can never be held at once
+        too_many = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "n": 3}, headers=AUTH, timeout=10)
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+        assert "safe_requests_total" in httpx.get(f"{url}/metrics", timeout=10).text
         body = {"model": MODEL, "messages": USER, "max_tokens": LONG, "stream": True}
         events = []
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as stream:
