@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from safe_engine import Ensemble, ModelSpec
 from safe_engine.runtime.members import load_member
@@ -83,3 +84,41 @@ def test_base_model_joins_a_chat_ensemble_with_a_template_override(smol):
         messages=[{"role": "user", "content": "Name a primary color."}], max_new_tokens=12
     )
     assert res.stats.tokens > 0 and res.text.strip()
+
+
+def test_after_replacements_the_drafters_cache_gives_what_a_fresh_forward_gives(smol, gemma, monkeypatch):
+    """Issue 31's suspect (b): a cache cropped at a replacement and extended by the handed token must give the
+    distributions a fresh forward over the same ids gives (measured on the study's pair: 3.4e-5 at most)."""
+    from safe_engine.algorithm import decoding
+
+    seen = []
+    take = decoding.Generation.take_draft
+
+    def recording(self, rows):
+        seen.append((list(self.drafter.ids), rows[-1].values.clone()))
+        return take(self, rows)
+
+    monkeypatch.setattr(decoding.Generation, "take_draft", recording)
+    res = Ensemble([smol, gemma]).generate(STORY, max_new_tokens=64, schedule="rounds")
+    assert res.stats.replaced_tokens >= 3, res.stats
+    worst = 0.0
+    with torch.no_grad():
+        for ids, values in seen[::4]:
+            fresh = torch.log_softmax(smol.model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            worst = max(worst, float((fresh - values).abs().max()))
+    assert worst < 1e-3
+
+
+def test_token_healing_never_replaces_a_drafted_token_by_a_piece_of_it(smol):
+    """Greedy: a pick that is a prefix of the drafted token heals back to that token (the drafter's argmax is
+    its likeliest extension), so the only replacements left change the text beyond the drafter's token. On
+    the study's pair and a GSM8K-like question the reference handover replaces Qwen's " by" by SmolLM2's " "."""
+    ens = Ensemble([load_member("qwen2.5-coder-0.5b"), smol])
+    question = "A train travels 60 km in 45 minutes. What is its speed in km/h? Think step by step."
+
+    def pieces(**options) -> list:
+        res = ens.generate(messages=[{"role": "user", "content": question}], max_new_tokens=96, trace=True, **options)
+        return [p for p in res.trace if p.replaced and p.chosen and p.drafted.startswith(p.chosen)]
+
+    assert pieces() == []
+    assert pieces(token_healing=False)
