@@ -27,6 +27,7 @@ import contextlib
 import statistics
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,7 @@ from typing import Any, cast
 
 import torch
 
-from ..errors import ConfigError, GenerationTimeout, InputError
+from ..errors import ConfigError, GenerationTimeout, InputError, MemberError, SafeEngineError
 from ..runtime.members import Job, Member, Track
 from ..runtime.rows import Draws, LocalRow, Row
 from ..shaping.constrained import Constraint
@@ -493,6 +494,7 @@ class Generation:
         """The request cannot go on: keep why (raised to its caller) and free its caches."""
         if self.error is None and not self.finished:
             self.error = err
+            _drop_frame_locals(err)
         self._cancelled = True
         self._release()  # called by whoever runs the round, so no round of this request is in progress
 
@@ -631,8 +633,18 @@ def _score_all(work: Sequence[tuple[Track, Job]], executor: Executor | None = No
     out: list[list[Row]] = [[] for _ in work]
 
     def score(indexes: list[int]) -> None:
-        member = work[indexes[0]][0].member
-        for i, rows in zip(indexes, member.score_many([work[i][1] for i in indexes])):
+        track = work[indexes[0]][0]
+        try:
+            scored = track.member.score_many([work[i][1] for i in indexes])
+        except SafeEngineError:
+            raise
+        except Exception as err:  # out of memory, a CUDA error, a broken model: it fails the whole batch
+            raise MemberError(
+                f"member {track.name!r} failed in a forward pass over {len(indexes)} request(s): "
+                f"{type(err).__name__}: {err}",
+                member=track.name,
+            ) from err
+        for i, rows in zip(indexes, scored):
             out[i] = rows
 
     groups = list(by_member.values())
@@ -643,3 +655,17 @@ def _score_all(work: Sequence[tuple[Track, Job]], executor: Executor | None = No
         for g in groups:
             score(g)
     return out
+
+
+def _drop_frame_locals(err: BaseException) -> None:
+    """Clear the locals of the finished frames in `err`'s traceback (and its causes'), keeping the lines.
+
+    Why: a request keeps its error until its reader is done with it, and the frames of a failed forward
+    hold the batch's jobs and KV caches; the request's memory must go when it fails, not when the error does.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)  # frames still running (this one's callers) are skipped
+        current = current.__cause__ or current.__context__
