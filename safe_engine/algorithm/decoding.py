@@ -508,6 +508,7 @@ class Generation:
                 self._busy.release()
 
     def _release(self) -> None:
+        self.checks = []  # a round cut short leaves its verifications, whose jobs hold the caches
         for track in self.tracks:
             track.release()
 
@@ -531,7 +532,12 @@ def run_round(gens: Sequence[Generation]) -> None:
     with contextlib.ExitStack() as held:
         for gen in gens:
             held.enter_context(gen._busy)  # cancel() from another thread waits for the round to end
-        _run_round(gens)
+        try:
+            _run_round(gens)
+        finally:  # `_run_round`'s frame, now finished, holds the round's jobs: the failed ones' errors keep it
+            for gen in gens:
+                if gen.error is not None:
+                    _drop_frame_locals(gen.error)
 
 
 def _run_round(gens: Sequence[Generation]) -> None:
@@ -627,34 +633,33 @@ def _executor(gens: Sequence[Generation]) -> Executor | None:
 
 def _score_all(work: Sequence[tuple[Track, Job]], executor: Executor | None = None) -> list[list[Row]]:
     """Rows for each (track, job), one `score_many` per member (members on different devices at once)."""
-    by_member: dict[int, list[int]] = {}
-    for i, (track, _) in enumerate(work):
-        by_member.setdefault(id(track.member), []).append(i)
-    out: list[list[Row]] = [[] for _ in work]
-
-    def score(indexes: list[int]) -> None:
-        track = work[indexes[0]][0]
-        try:
-            scored = track.member.score_many([work[i][1] for i in indexes])
-        except SafeEngineError:
-            raise
-        except Exception as err:  # out of memory, a CUDA error, a broken model: it fails the whole batch
-            raise MemberError(
-                f"member {track.name!r} failed in a forward pass over {len(indexes)} request(s): "
-                f"{type(err).__name__}: {err}",
-                member=track.name,
-            ) from err
-        for i, rows in zip(indexes, scored):
-            out[i] = rows
-
+    by_member: dict[int, list[tuple[Track, Job]]] = {}
+    for track, job in work:
+        by_member.setdefault(id(track.member), []).append((track, job))
     groups = list(by_member.values())
     if executor is not None and len(groups) > 1:
-        for future in [executor.submit(score, g) for g in groups]:
-            future.result()
+        scored = [future.result() for future in [executor.submit(_score_group, g) for g in groups]]
     else:
-        for g in groups:
-            score(g)
-    return out
+        scored = [_score_group(g) for g in groups]
+    rows_of = {id(job): rows for group, rows in zip(groups, scored) for (_, job), rows in zip(group, rows)}
+    return [rows_of[id(job)] for _, job in work]
+
+
+def _score_group(group: list[tuple[Track, Job]]) -> list[list[Row]]:
+    """One member's `score_many` over its jobs; a failure is that member's, for every job of the batch.
+
+    A plain function, not a closure: a failed call's frames (kept by the error) hold the jobs only in
+    locals, which `_drop_frame_locals` clears (a frame keeps its function, and a closure its cells)."""
+    track = group[0][0]
+    try:
+        return track.member.score_many([job for _, job in group])
+    except SafeEngineError:
+        raise
+    except Exception as err:  # out of memory, a CUDA error, a broken model: it fails the whole batch
+        raise MemberError(
+            f"member {track.name!r} failed in a forward pass over {len(group)} request(s): {type(err).__name__}: {err}",
+            member=track.name,
+        ) from err
 
 
 def _drop_frame_locals(err: BaseException) -> None:
