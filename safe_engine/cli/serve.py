@@ -44,6 +44,13 @@ def add_parser(sub: Any) -> None:
         default=30.0,
         help="seconds running streams may finish after SIGINT/SIGTERM before they are ended (default 30)",
     )
+    p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a stream's next chunk may wait for a client that stopped reading (without leaving) "
+        "before the stream is ended, its generation cancelled and the connection closed (default 60; 0: never)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (info shows every request)")
     p.set_defaults(func=cmd_serve)
 
@@ -51,6 +58,8 @@ def add_parser(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if getattr(args, "trace", None) is not None:
         raise ConfigError('--trace is per request when serving: send "trace": true in the request body')
+    if args.stream_idle_timeout < 0:
+        raise ConfigError(f"--stream-idle-timeout must be >= 0 seconds (0: never), got {args.stream_idle_timeout}")
     if args.max_batch_size < 1:
         raise ConfigError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     # the defaults a request does not override, by the shared semantics; checked before the (slow) load
@@ -89,6 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         defaults=defaults,
         max_body_bytes=args.max_body_bytes,
+        stream_idle_timeout=args.stream_idle_timeout or None,
         on_ready=ready,
         on_load_error=failed,
     )

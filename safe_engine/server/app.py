@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -43,7 +44,9 @@ from .schemas import (
 )
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 60.0
 _IDLE_WAIT_S = 30.0  # at shutdown, how long the last round (already cancelled) may take to end
+_log = logging.getLogger("safe_engine.server")
 
 
 @dataclass
@@ -55,6 +58,8 @@ class ServerState:
     defaults: GenerationConfig
     max_batch_size: int | None
     max_body_bytes: int
+    # How long a stream's next chunk may wait for the client to read (None: no limit); see _SSEResponse.
+    stream_idle_timeout: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S
     ensemble: Ensemble | None = None
     load_error: BaseException | None = None
     created: int = field(default_factory=shapes.now)
@@ -78,6 +83,7 @@ def create_app(
     defaults: GenerationConfig | None = None,
     max_batch_size: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    stream_idle_timeout: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S,
     on_ready: Callable[[ServerState], None] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
@@ -86,8 +92,16 @@ def create_app(
     `defaults` are the generation settings a request does not override (max_tokens, method, ...);
     `max_batch_size`, when given, sets the ensemble's bound on the requests decoded at once (the others
     wait their turn; the ensemble's scheduler decodes every request, there is no pool here); `api_key`, when
-    set, is required as `Authorization: Bearer <key>` on /v1 routes (/health stays open for probes).
+    set, is required as `Authorization: Bearer <key>` on /v1 routes (/health stays open for probes);
+    `stream_idle_timeout` (seconds, None: none) ends a stream whose client stops reading without leaving:
+    once its next chunk has waited that long to be sent, the connection is closed and the request cancelled.
     """
+    if stream_idle_timeout is not None and (
+        isinstance(stream_idle_timeout, bool)
+        or not isinstance(stream_idle_timeout, int | float)
+        or not stream_idle_timeout > 0
+    ):
+        raise ConfigError(f"stream_idle_timeout must be a number of seconds > 0 or None, got {stream_idle_timeout!r}")
     if max_batch_size is not None and (
         isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1
     ):
@@ -100,6 +114,7 @@ def create_app(
         defaults=defaults or GenerationConfig(),
         max_batch_size=max_batch_size,
         max_body_bytes=max_body_bytes,
+        stream_idle_timeout=stream_idle_timeout,
     )
 
     @asynccontextmanager
@@ -161,7 +176,7 @@ def create_app(
             with _request_errors():
                 await stream.start()  # a request the engine refuses is still a plain 4xx
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_chat_events(stream, state, ens, name, include_usage))
+            return _sse(_chat_events(stream, state, ens, name, include_usage), state.stream_idle_timeout)
         result = await _result(stream, _interruption(state, request))
         return JSONResponse(
             shapes.chat_completion(shapes.new_id("chatcmpl"), name, shapes.now(), result, _drafter(ens))
@@ -188,7 +203,7 @@ def create_app(
             with _request_errors():
                 await stream.start()
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_completion_events(stream, state, ens, name, include_usage))
+            return _sse(_completion_events(stream, state, ens, name, include_usage), state.stream_idle_timeout)
         result = await _result(stream, _interruption(state, request))
         return JSONResponse(shapes.text_completion(shapes.new_id("cmpl"), name, shapes.now(), result, _drafter(ens)))
 
@@ -559,20 +574,44 @@ async def _completion_events(
     yield shapes.sse("[DONE]")
 
 
+class StreamStalled(Exception):
+    """A stream's client stopped reading (without leaving) for longer than the server's idle timeout."""
+
+
 class _SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its body generator, even when the client vanished, so the
-    generation behind it is cancelled and its caches freed right away."""
+    generation behind it is cancelled and its caches freed right away.
+
+    A client that stops reading but keeps its connection open fills the socket's buffers, and then each
+    `send` waits for it. Past `idle_timeout` seconds of such a wait the stream ends: the request is
+    cancelled (caches freed, its batch slot given to others) and the connection closed (nothing more can
+    be said to a client that does not read). Until then the request decodes on as usual."""
+
+    def __init__(self, body: AsyncIterator[bytes], idle_timeout: float | None, **kwargs: Any) -> None:
+        super().__init__(body, **kwargs)
+        self.idle_timeout = idle_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        timeout = self.idle_timeout
+
+        async def send_within(message: Any) -> None:
+            try:
+                async with asyncio.timeout(timeout):  # no task per chunk, unlike wait_for
+                    await send(message)
+            except TimeoutError:
+                raise StreamStalled(f"the client read nothing for {timeout} s") from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if timeout is None else send_within)
+        except StreamStalled as stalled:
+            _log.warning("ending a stream: %s (--stream-idle-timeout)", stalled)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-def _sse(body: AsyncIterator[bytes]) -> Response:
+def _sse(body: AsyncIterator[bytes], idle_timeout: float | None) -> Response:
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return _SSEResponse(body, media_type="text/event-stream", headers=headers)
+    return _SSEResponse(body, idle_timeout, media_type="text/event-stream", headers=headers)
 
 
 # -- errors ----------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from safe_engine import GenerationConfig
+from safe_engine import ConfigError, GenerationConfig
 from safe_engine.server import BackgroundServer, create_app
 
 from .conftest import KEY, MODEL, live_caches, wait_for
@@ -195,3 +196,72 @@ def test_the_engine_and_the_cli_work_without_fastapi():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert "pip install 'langchain-safe[server]'" in res.stderr
+
+
+def stalling_client(app, after: int = 2):
+    """The app, with the `send` of requests marked `x-stall: 1` blocking for good after `after` body chunks:
+    what uvicorn's `send` does once a client that stopped reading has let the socket's buffers fill (on
+    loopback that takes megabytes of output, so the test blocks it directly)."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http" or (b"x-stall", b"1") not in scope["headers"]:
+            return await app(scope, receive, send)
+        chunks = 0
+
+        async def stalling(message):
+            nonlocal chunks
+            if message["type"] == "http.response.body":
+                chunks += 1
+                if chunks > after:
+                    await asyncio.Event().wait()  # the client reads nothing more
+            await send(message)
+
+        return await app(scope, receive, stalling)
+
+    wrapped.state = app.state
+    return wrapped
+
+
+def test_a_stream_whose_client_stops_reading_ends_at_the_idle_deadline(served, monkeypatch):
+    """A client that keeps its connection open but reads nothing: once the server's next chunk has waited
+    `stream_idle_timeout` seconds, the request is cancelled (caches freed) and the connection closed; a
+    stream beside it runs meanwhile, not waiting for that deadline."""
+    opened = keep_streams(monkeypatch, served.ens)
+    deadline_s = 3.0
+    app = create_app(served.ens, model_name=MODEL, stream_idle_timeout=deadline_s)
+    body = {"model": MODEL, "messages": USER, "max_tokens": LONG, "stream": True}
+    other = {"model": MODEL, "messages": USER, "max_tokens": 12, "stream": True}
+    with BackgroundServer(stalling_client(app)) as srv:
+        t0 = time.monotonic()
+        with httpx.stream(
+            "POST", f"{srv.url}/v1/chat/completions", json=body, headers={"x-stall": "1"}, timeout=60
+        ) as stalled:
+            assert stalled.status_code == 200
+            lines = stalled.iter_lines()
+            assert next(lines).startswith("data: ")  # the first chunk; then the client's buffers are "full"
+            wait_for(lambda: served.ens.open_requests == 1, what="the stalled request to decode")
+            started = time.monotonic()
+            with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=other, timeout=60) as res:
+                beside = [line for line in res.iter_lines() if line.startswith("data: ")]
+            beside_s = time.monotonic() - started
+            assert served.ens.open_requests == 1  # the stalled one still decodes: its deadline is not up
+            wait_for(lambda: served.ens.open_requests == 0, timeout=30, what="the idle deadline")
+            ended_s = time.monotonic() - t0
+            rest = []
+            with pytest.raises(httpx.RemoteProtocolError):  # the server closed the connection mid-response
+                rest.extend(lines)
+            assert "data: [DONE]" not in rest
+    assert beside[-1] == "data: [DONE]" and json.loads(beside[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert opened[0].result is None  # cancelled at the deadline, not decoded to its 3000 tokens
+    assert served.ens.open_requests == 0 and live_caches() == 0
+    assert beside_s < deadline_s <= ended_s, (beside_s, ended_s)
+
+
+def test_the_stream_idle_timeout_is_checked():
+    with pytest.raises(ConfigError, match="stream_idle_timeout"):
+        create_app(lambda: None, stream_idle_timeout=0)
+    res = subprocess.run(
+        [sys.executable, "-m", "safe_engine", "serve", "-m", "a", "-m", "b", "--stream-idle-timeout", "-1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode != 0 and "--stream-idle-timeout must be >= 0" in res.stderr
