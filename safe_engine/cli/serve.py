@@ -119,7 +119,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if isinstance(load_error, SafeEngineError):
             raise load_error
         raise SafeEngineError(f"loading failed: {load_error}")
-    print("[server stopped]", file=sys.stderr)
+    ens = state.ensemble
+    idle = ens is None or ens.wait_idle(0)  # the lifespan's end already waited for the last round
+    open_requests = 0 if ens is None else ens.open_requests
+    decoding = "no decoding thread left" if idle else "decoding still running"
+    print(f"[server stopped: {open_requests} open requests, {decoding}]", file=sys.stderr)
     return 0
 
 

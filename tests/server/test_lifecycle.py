@@ -164,20 +164,32 @@ def test_cli_serves_then_shuts_down_gracefully_on_a_signal(model_dirs, sig):
         )
         assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] <= 6
         assert httpx.post(f"{url}/v1/chat/completions", json={"messages": USER}, timeout=10).status_code == 401
+        # a batch decoding: three streams, the signal once each has its first chunks
         body = {"model": MODEL, "messages": USER, "max_tokens": LONG, "stream": True}
-        events = []
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as stream:
-            for line in stream.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[6:])
-                if len(events) == 3:
-                    proc.send_signal(sig)
-        assert events[-1] == "[DONE]"  # the stream ended cleanly, not cut off
-        last = json.loads(events[-2])
-        assert "error" in last and last["error"]["code"] == "server_shutdown"
+        streams: list[list[str]] = [[] for _ in range(3)]
+        going = threading.Barrier(len(streams) + 1)
+
+        def read(events: list[str]) -> None:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as stream:
+                for line in stream.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            going.wait(30)
+
+        readers = [threading.Thread(target=read, args=(events,)) for events in streams]
+        for reader in readers:
+            reader.start()
+        going.wait(60)
+        proc.send_signal(sig)
+        for reader in readers:
+            reader.join(60)
+        for events in streams:
+            assert events[-1] == "[DONE]"  # each stream ended cleanly, not cut off
+            last = json.loads(events[-2])  # its last chunk says why, in OpenAI's error shape
+            assert last["error"]["code"] == "server_shutdown" and "shutting down" in last["error"]["message"]
         assert proc.wait(timeout=30) == 0
-        assert "[server stopped]" in proc.stderr.read()
+        assert "[server stopped: 0 open requests, no decoding thread left]" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
