@@ -38,8 +38,22 @@ import httpx
 MODELS = ["qwen2.5-coder-0.5b", "smollm2-135m"]
 KEY = "soak-key"
 KINDS = (
-    "stream", "bad", "plain", "disconnect", "sampling", "bad", "stream", "cancel",
-    "tools", "bad", "json_schema", "stop", "disconnect", "plain", "bad", "cancel",
+    "stream",
+    "bad",
+    "plain",
+    "disconnect",
+    "sampling",
+    "bad",
+    "stream",
+    "cancel",
+    "tools",
+    "bad",
+    "json_schema",
+    "stop",
+    "disconnect",
+    "plain",
+    "bad",
+    "cancel",
 )  # fmt: skip  (a quarter are malformed bodies, an eighth each disconnect or cancel)
 TOPICS = ["rainbows", "tides", "comets", "honey bees", "glaciers", "magnets", "volcanoes", "penguins"]
 WEATHER_TOOL = {
@@ -159,7 +173,9 @@ async def one(client: httpx.AsyncClient, kind: str, i: int, tokens: int, model: 
     """Send request `i`; its outcome ("ok", "400", "5xx: ...", "hang", ...)."""
     url = "/v1/chat/completions"
     if kind == "bad":
-        res = await client.post(url, content=BAD_BODIES[i % len(BAD_BODIES)], headers={"content-type": "application/json"})
+        res = await client.post(
+            url, content=BAD_BODIES[i % len(BAD_BODIES)], headers={"content-type": "application/json"}
+        )
         return "400" if res.status_code == 400 else f"bad body answered {res.status_code}"
     body = request_body(kind, i, tokens, model)
 
@@ -229,7 +245,12 @@ def soak(models: list[str], args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.2)  # the scheduler's worker returns its memory as it ends
             status = proc_status(proc.pid)
             outcomes.update(counts)
-            row = {"wave": w + 1, **status, "open_requests": health["open_requests"], "wall_s": round(time.perf_counter() - t0, 1)}
+            row = {
+                "wave": w + 1,
+                **status,
+                "open_requests": health["open_requests"],
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
             per_wave.append(row)
             print(f"wave {w + 1}: {json.dumps(row)} {dict(counts)}", file=sys.stderr, flush=True)
         open_at_end = wait_idle(url)["open_requests"]

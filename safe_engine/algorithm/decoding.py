@@ -641,7 +641,7 @@ def _score_all(work: Sequence[tuple[Track, Job]], executor: Executor | None = No
         scored = [future.result() for future in [executor.submit(_score_group, g) for g in groups]]
     else:
         scored = [_score_group(g) for g in groups]
-    rows_of = {id(job): rows for group, rows in zip(groups, scored) for (_, job), rows in zip(group, rows)}
+    rows_of = {id(job): rows for group, group_rows in zip(groups, scored) for (_, job), rows in zip(group, group_rows)}
     return [rows_of[id(job)] for _, job in work]
 
 

@@ -274,6 +274,9 @@ def test_the_stream_idle_timeout_is_checked():
         create_app(lambda: None, stream_idle_timeout=0)
     res = subprocess.run(
         [sys.executable, "-m", "safe_engine", "serve", "-m", "a", "-m", "b", "--stream-idle-timeout", "-1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode != 0 and "--stream-idle-timeout must be >= 0" in res.stderr

@@ -9,8 +9,8 @@ import errno
 import hashlib
 import json
 import os
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
