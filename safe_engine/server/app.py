@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..config import GenerationConfig
 from ..engine.ensemble import AsyncTextStream, Ensemble
@@ -272,10 +273,15 @@ async def _json_body(request: Request, limit: int) -> dict[str, Any]:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # the client left while sending its body: nobody to answer, nothing to log
+        raise RequestError(
+            499, "the client closed the request", code="client_closed", type="invalid_request_error"
+        ) from None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as err:

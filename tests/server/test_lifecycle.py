@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -280,3 +282,28 @@ def test_the_stream_idle_timeout_is_checked():
         timeout=120,
     )
     assert res.returncode != 0 and "--stream-idle-timeout must be >= 0" in res.stderr
+
+
+def test_a_client_leaving_while_sending_its_body_is_not_a_server_error(served):
+    """A client cancelled mid-upload: no 'Exception in ASGI application' in the server's log, nothing held."""
+    errors: list[str] = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            errors.append(record.getMessage())
+
+    handler = Record(level=logging.ERROR)
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        host, port = served.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            client.sendall(f"{head}Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode())
+            client.sendall(b'{"messages": [{"role": "user", "content": "a body that never ends')
+            time.sleep(0.3)
+        wait_for(lambda: served.health()["status"] == "ok", what="the server")
+        time.sleep(0.5)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert errors == []
+    assert served.wait_idle()["open_requests"] == 0
