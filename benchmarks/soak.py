@@ -10,10 +10,12 @@ process's resident memory (VmRSS) and thread count from /proc. At the end: open 
 count, SIGTERM and the exit status.
 
 Targets (the report's "targets" say which hold): RSS after the last wave within 10 % (or 100 MB) of RSS after
-the second; the thread count the same after every wave from the second on; no hang, no 5xx, no open request.
+the second (of the measured waves, after any --warmup-waves); the thread count the same after every wave
+from the second on; no hang, no 5xx, no open request.
 
-python benchmarks/soak.py --tiny                                   # tiny random models (as the CI test)
-python benchmarks/soak.py --waves 6 --clients 64 --tokens 8 --out benchmarks/results/soak_demo.json
+python benchmarks/soak.py --tiny                                   # tiny random models
+python benchmarks/soak.py --tiny --warmup-waves 2                  # as the CI test (tests/server/test_soak.py)
+python benchmarks/soak.py --waves 5 --clients 64 --tokens 4 --max-batch-size 16 --out benchmarks/results/soak_demo.json
 SAFE_ENGINE_TRIM_IDLE=0 python benchmarks/soak.py --tiny           # without giving memory back when idle
 python benchmarks/soak.py --tiny --server-env MALLOC_ARENA_MAX=2   # settings for the server process only
 """
@@ -238,7 +240,7 @@ def soak(models: list[str], args: argparse.Namespace) -> dict[str, Any]:
         model = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
         model = model["data"][0]["id"]
         loaded = proc_status(proc.pid)
-        for w in range(args.waves):
+        for w in range(args.warmup_waves + args.waves):
             t0 = time.perf_counter()
             counts = asyncio.run(wave(url, model, w * args.clients, args.clients, args.tokens, args.hang_s))
             health = wait_idle(url)
@@ -246,13 +248,13 @@ def soak(models: list[str], args: argparse.Namespace) -> dict[str, Any]:
             status = proc_status(proc.pid)
             outcomes.update(counts)
             row = {
-                "wave": w + 1,
+                "wave": w + 1 - args.warmup_waves,  # 0 and below: warm-up
                 **status,
                 "open_requests": health["open_requests"],
                 "wall_s": round(time.perf_counter() - t0, 1),
             }
             per_wave.append(row)
-            print(f"wave {w + 1}: {json.dumps(row)} {dict(counts)}", file=sys.stderr, flush=True)
+            print(f"wave {row['wave']}: {json.dumps(row)} {dict(counts)}", file=sys.stderr, flush=True)
         open_at_end = wait_idle(url)["open_requests"]
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -261,21 +263,24 @@ def soak(models: list[str], args: argparse.Namespace) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             proc.kill()
             exit_code = proc.wait()
-    rss = [row["rss_mb"] for row in per_wave]
-    threads = [row["threads"] for row in per_wave]
+    warmup, measured = per_wave[: args.warmup_waves], per_wave[args.warmup_waves :]
+    rss = [row["rss_mb"] for row in measured]
+    threads = [row["threads"] for row in measured]
     second, last = rss[min(1, len(rss) - 1)], rss[-1]
     bad_outcomes = {k: v for k, v in outcomes.items() if k.startswith("5xx") or k == "hang" or k == "truncated"}
     report = {
         "models": models,
         "waves": args.waves,
         "clients_per_wave": args.clients,
-        "requests": args.waves * args.clients,
+        "requests": (args.warmup_waves + args.waves) * args.clients,
+        "warmup_waves": args.warmup_waves,
         "max_tokens": args.tokens,
         "max_batch_size": args.max_batch_size,
         "trim_when_idle": os.environ.get("SAFE_ENGINE_TRIM_IDLE", "1") not in ("0", "false", "no", "off"),
         "server_env": args.server_env,
         "rss_after_load_mb": loaded["rss_mb"],
-        "per_wave": per_wave,
+        "rss_mb_after_warmup_waves": [row["rss_mb"] for row in warmup],
+        "per_wave": measured,
         "rss_mb_per_wave": rss,
         "threads_per_wave": threads,
         "outcomes": dict(sorted(outcomes.items())),
@@ -299,7 +304,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=MODELS)
     p.add_argument("--tiny", action="store_true", help="serve the tests' tiny random models instead")
-    p.add_argument("--waves", type=int, default=8)
+    p.add_argument("--waves", type=int, default=8, help="measured waves (default 8)")
+    p.add_argument(
+        "--warmup-waves",
+        type=int,
+        default=0,
+        help="waves of the same mix before the measured ones, reported apart (default 0: the first wave is wave 1)",
+    )
     p.add_argument("--clients", type=int, default=128, help="concurrent requests per wave (default 128)")
     p.add_argument("--tokens", type=int, default=6, help="max tokens of most requests (default 6)")
     p.add_argument("--max-batch-size", type=int, default=8)
