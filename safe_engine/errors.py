@@ -46,7 +46,12 @@ class ChecksumError(ModelLoadError):
 
 
 class MemberError(SafeEngineError, RuntimeError):
-    """A member failed while serving a request (a remote actor died, timed out, ...)."""
+    """A member failed while serving a request (a remote actor died, timed out, a forward ran out of memory,
+    ...). `member`: the member's name in the ensemble, when known."""
+
+    def __init__(self, *args: Any, member: str | None = None, option: str | None = None) -> None:
+        super().__init__(*args, option=option)
+        self.member = member
 
 
 class ToolCallError(SafeEngineError, ValueError):

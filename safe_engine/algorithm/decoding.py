@@ -27,6 +27,7 @@ import contextlib
 import statistics
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,7 @@ from typing import Any, cast
 
 import torch
 
-from ..errors import ConfigError, GenerationTimeout, InputError
+from ..errors import ConfigError, GenerationTimeout, InputError, MemberError, SafeEngineError
 from ..runtime.members import Job, Member, Track
 from ..runtime.rows import Draws, LocalRow, Row, race_sample
 from ..shaping.constrained import Constraint
@@ -527,6 +528,7 @@ class Generation:
         """The request cannot go on: keep why (raised to its caller) and free its caches."""
         if self.error is None and not self.finished:
             self.error = err
+            _drop_frame_locals(err)
         self._cancelled = True
         self._release()  # called by whoever runs the round, so no round of this request is in progress
 
@@ -540,6 +542,7 @@ class Generation:
                 self._busy.release()
 
     def _release(self) -> None:
+        self.checks = []  # a round cut short leaves its verifications, whose jobs hold the caches
         for track in self.tracks:
             track.release()
 
@@ -563,7 +566,12 @@ def run_round(gens: Sequence[Generation]) -> None:
     with contextlib.ExitStack() as held:
         for gen in gens:
             held.enter_context(gen._busy)  # cancel() from another thread waits for the round to end
-        _run_round(gens)
+        try:
+            _run_round(gens)
+        finally:  # `_run_round`'s frame, now finished, holds the round's jobs: the failed ones' errors keep it
+            for gen in gens:
+                if gen.error is not None:
+                    _drop_frame_locals(gen.error)
 
 
 def _run_round(gens: Sequence[Generation]) -> None:
@@ -659,21 +667,44 @@ def _executor(gens: Sequence[Generation]) -> Executor | None:
 
 def _score_all(work: Sequence[tuple[Track, Job]], executor: Executor | None = None) -> list[list[Row]]:
     """Rows for each (track, job), one `score_many` per member (members on different devices at once)."""
-    by_member: dict[int, list[int]] = {}
-    for i, (track, _) in enumerate(work):
-        by_member.setdefault(id(track.member), []).append(i)
-    out: list[list[Row]] = [[] for _ in work]
-
-    def score(indexes: list[int]) -> None:
-        member = work[indexes[0]][0].member
-        for i, rows in zip(indexes, member.score_many([work[i][1] for i in indexes])):
-            out[i] = rows
-
+    by_member: dict[int, list[tuple[Track, Job]]] = {}
+    for track, job in work:
+        by_member.setdefault(id(track.member), []).append((track, job))
     groups = list(by_member.values())
     if executor is not None and len(groups) > 1:
-        for future in [executor.submit(score, g) for g in groups]:
-            future.result()
+        scored = [future.result() for future in [executor.submit(_score_group, g) for g in groups]]
     else:
-        for g in groups:
-            score(g)
-    return out
+        scored = [_score_group(g) for g in groups]
+    rows_of = {id(job): rows for group, group_rows in zip(groups, scored) for (_, job), rows in zip(group, group_rows)}
+    return [rows_of[id(job)] for _, job in work]
+
+
+def _score_group(group: list[tuple[Track, Job]]) -> list[list[Row]]:
+    """One member's `score_many` over its jobs; a failure is that member's, for every job of the batch.
+
+    A plain function, not a closure: a failed call's frames (kept by the error) hold the jobs only in
+    locals, which `_drop_frame_locals` clears (a frame keeps its function, and a closure its cells)."""
+    track = group[0][0]
+    try:
+        return track.member.score_many([job for _, job in group])
+    except SafeEngineError:
+        raise
+    except Exception as err:  # out of memory, a CUDA error, a broken model: it fails the whole batch
+        raise MemberError(
+            f"member {track.name!r} failed in a forward pass over {len(group)} request(s): {type(err).__name__}: {err}",
+            member=track.name,
+        ) from err
+
+
+def _drop_frame_locals(err: BaseException) -> None:
+    """Clear the locals of the finished frames in `err`'s traceback (and its causes'), keeping the lines.
+
+    Why: a request keeps its error until its reader is done with it, and the frames of a failed forward
+    hold the batch's jobs and KV caches; the request's memory must go when it fails, not when the error does.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)  # frames still running (this one's callers) are skipped
+        current = current.__cause__ or current.__context__

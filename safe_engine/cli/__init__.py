@@ -88,7 +88,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.action == "fetch":
         for name in args.names or list(demo_models.DEMO_MODELS):
             started = time.perf_counter()
-            path = demo_models.model_dir(name)
+            path = demo_models.model_dir(name, verify=True)  # an altered cached file is rebuilt
             print(f"{name}: {path} ({time.perf_counter() - started:.1f} s)")
         return 0
     for row in demo_models.list_models():

@@ -51,6 +51,13 @@ def add_parser(sub: Any) -> None:
         default=30.0,
         help="seconds running streams may finish after SIGINT/SIGTERM before they are ended (default 30)",
     )
+    p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a stream's next chunk may wait for a client that stopped reading (without leaving) "
+        "before the stream is ended, its generation cancelled and the connection closed (default 60; 0: never)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (info shows every request)")
     p.set_defaults(func=cmd_serve)
 
@@ -58,6 +65,8 @@ def add_parser(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if getattr(args, "trace", None) is not None:
         raise ConfigError('--trace is per request when serving: send "trace": true in the request body')
+    if args.stream_idle_timeout < 0:
+        raise ConfigError(f"--stream-idle-timeout must be >= 0 seconds (0: never), got {args.stream_idle_timeout}")
     if args.max_batch_size < 1:
         raise ConfigError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if args.max_queue is not None and args.max_queue < 0:
@@ -99,6 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         defaults=defaults,
         max_body_bytes=args.max_body_bytes,
         max_queue=args.max_queue,
+        stream_idle_timeout=args.stream_idle_timeout or None,
         on_ready=ready,
         on_load_error=failed,
     )
@@ -119,7 +129,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if isinstance(load_error, SafeEngineError):
             raise load_error
         raise SafeEngineError(f"loading failed: {load_error}")
-    print("[server stopped]", file=sys.stderr)
+    ens = state.ensemble
+    idle = ens is None or ens.wait_idle(0)  # the lifespan's end already waited for the last round
+    open_requests = 0 if ens is None else ens.open_requests
+    decoding = "no decoding thread left" if idle else "decoding still running"
+    print(f"[server stopped: {open_requests} open requests, {decoding}]", file=sys.stderr)
     return 0
 
 

@@ -23,6 +23,7 @@ from ..algorithm.decoding import Generation, run_round
 from ..errors import ConfigError, InputError
 from ..shaping.reply import Reply, StreamEvent
 from ..stats import GenerationResult
+from .memory import release_free_memory
 
 _EXIT_WAIT_S = 30.0  # at interpreter exit, how long the last (cancelled) round may take to end
 
@@ -154,24 +155,32 @@ class Scheduler:
             return [w for w in (self._worker, self._ending) if w is not None]
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._waiting and len(self._live) < self.max_batch_size:
-                    self._live.append(self._waiting.popleft())
-                if not self._live:
-                    self._worker, self._ending = None, self._worker
-                    return
-                live = list(self._live)
-            ready = [t for t in live if not t.generation.cancelled]
-            try:
-                if ready:
-                    run_round([t.generation for t in ready])
-            except BaseException as err:  # not a request's own failure (those stay in generation.error)
-                for t in live:
-                    t.generation.fail(err)
-            over = [t for t in live if t.publish()]
-            with self._cond:
-                self._live = [t for t in self._live if t not in over]
+        while self._round():
+            pass
+        # Idle: what the requests freed goes back to the OS (glibc keeps it in its arenas otherwise, and a
+        # server grows wave after wave). Nothing of theirs is referenced any more: `_round`'s frame is gone.
+        release_free_memory()
+
+    def _round(self) -> bool:
+        """Admit waiting requests and run one round of the live ones; False (the worker ends) when none is left."""
+        with self._cond:
+            while self._waiting and len(self._live) < self.max_batch_size:
+                self._live.append(self._waiting.popleft())
+            if not self._live:
+                self._worker, self._ending = None, self._worker
+                return False
+            live = list(self._live)
+        ready = [t for t in live if not t.generation.cancelled]
+        try:
+            if ready:
+                run_round([t.generation for t in ready])
+        except BaseException as err:  # not a request's own failure (those stay in generation.error)
+            for t in live:
+                t.generation.fail(err)
+        over = [t for t in live if t.publish()]
+        with self._cond:
+            self._live = [t for t in self._live if t not in over]
+        return True
 
 
 _schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # a running worker keeps its scheduler alive

@@ -8,16 +8,20 @@ converts it once into an ordinary float32 safetensors directory: transformers de
 through the same conversion, cached under the file's own sha256.
 
 Cache layout (``cache_root()``, shared by processes; every write is a temp name + atomic rename under a
-per-model file lock, so a second process waits and then finds the finished result)::
+per-model file lock, so a second process waits and then finds the finished result; a process killed
+mid-write leaves only a temp name, removed by the next writer)::
 
     demo/<name>/<gguf_name>    verified GGUF of a demo model
-    gguf/<sha256[:16]>/        converted model + tokenizer + safe_engine.json (any GGUF, demo or user)
+    gguf/<sha256[:16]>/        converted model + tokenizer + safe_engine.json (any GGUF, demo or user);
+                               the marker records every file's size and sha256: a load checks the sizes,
+                               ``models fetch`` the hashes, and a dir that fails either is converted again
     locks/<key>.lock           file locks
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -140,9 +144,57 @@ def _converted_path(sha256: str) -> Path:
     return cache_root() / "gguf" / sha256.lower()[:16]
 
 
-def _is_converted(out_dir: Path) -> bool:
-    """A converted dir is complete iff its marker exists (it is written last, before the atomic rename)."""
-    return (out_dir / _MARKER).is_file()
+def _is_converted(out_dir: Path, *, deep: bool = False) -> bool:
+    """Whether `out_dir` is a complete, unaltered conversion: its marker (written last, before the atomic
+    rename) exists and every file it records has its recorded size, and with `deep` its recorded sha256.
+
+    A marker without a file list (written before the list existed) is taken on trust."""
+    try:
+        meta = json.loads((out_dir / _MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict):
+        return isinstance(meta, dict)
+    for name, want in files.items():
+        path = out_dir / name
+        try:
+            if path.stat().st_size != want["size"]:
+                return False
+        except OSError:
+            return False
+        if deep and _sha256_file(path) != want["sha256"]:
+            return False
+    return True
+
+
+def _seal(out_dir: Path) -> None:
+    """Record every file's size and sha256 in the marker, so a truncated or altered file is noticed."""
+    marker = out_dir / _MARKER
+    meta = json.loads(marker.read_text(encoding="utf-8"))
+    meta["files"] = {
+        str(path.relative_to(out_dir)): {"size": path.stat().st_size, "sha256": _sha256_file(path)}
+        for path in sorted(out_dir.rglob("*"))
+        if path.is_file() and path.name != _MARKER
+    }
+    tmp = marker.with_name(f"{_TMP_PREFIX}{_MARKER}")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, marker)
+
+
+def _no_space(err: OSError, directory: Path, needed: int, what: str) -> ModelLoadError | None:
+    """A clear error for a full disk (ENOSPC, EDQUOT) while writing `what` into the cache; None for others."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**20:.0f} MiB free now"
+    except OSError:
+        free = "free space unknown"
+    return ModelLoadError(
+        f"No space left in the cache directory {directory} while writing {what}: it needs about "
+        f"{needed / 2**20:.0f} MiB ({free}). Nothing partial was kept. Free some space there, or point "
+        f"SAFE_ENGINE_CACHE at a disk with room."
+    )
 
 
 @contextlib.contextmanager
@@ -275,8 +327,8 @@ def _assemble(
         fd, tmp_name = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{dest.name}.", dir=dest.parent)
         tmp = Path(tmp_name)
         digest = hashlib.sha256()
+        total = sum(info.file_size for _, info in members)
         try:
-            total = sum(info.file_size for _, info in members)
             with (
                 os.fdopen(fd, "wb") as out,
                 tqdm(
@@ -304,6 +356,9 @@ def _assemble(
                 )
             tmp.chmod(0o644)  # mkstemp makes it private; the cache is meant to be shared
             os.replace(tmp, dest)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            raise (_no_space(err, dest.parent, total, dest.name) or err) from err
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -316,15 +371,23 @@ def _assemble(
 def fetch(name: str, *, progress: bool = True) -> Path:
     """Return the verified GGUF of demo model ``name``, downloading and assembling it on first use.
 
-    A cached copy is re-hashed on every call (about a second), so a corrupted cache is refused with a
-    ChecksumError rather than loaded.
+    A cached copy is re-hashed on every call (about a second): one that does not match (truncated,
+    altered) is deleted and fetched again, never returned; a download that does not match raises
+    ChecksumError.
     """
     spec = _spec(name)
     dest = _gguf_path(spec)
     with _locked(f"demo-{spec.name}", progress=progress):
         if dest.is_file():
-            verify_sha256(dest, spec.sha256)
-            return dest
+            actual = _sha256_file(dest)
+            if actual == spec.sha256:
+                return dest
+            # truncated or altered (a killed copy by hand, a bad disk): the pinned source rebuilds it
+            print(
+                f"[safe-engine] {dest} does not match its pinned sha256 (got {actual}); fetching it again",
+                file=sys.stderr,
+            )
+            dest.unlink()
         dest.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_temps(dest.parent, _TMP_PREFIX)
         if progress:
@@ -351,27 +414,46 @@ def _require_gguf() -> None:
         ) from None
 
 
-def _convert(gguf_path: Path, sha256: str, *, source: str, progress: bool) -> Path:
-    """Convert one (already verified) GGUF into ``gguf/<sha256[:16]>/``, once, under a lock."""
+def _convert(gguf_path: Path, sha256: str, *, source: str, progress: bool, deep: bool = False) -> Path:
+    """Convert one (already verified) GGUF into ``gguf/<sha256[:16]>/``, once, under a lock; a dir there that
+    is incomplete, truncated or (with `deep`) altered is removed and converted again."""
     out_dir = _converted_path(sha256)
     key = out_dir.name
     with _locked(f"gguf-{key}", progress=progress):
-        if _is_converted(out_dir):
+        if _is_converted(out_dir, deep=deep):
             return out_dir
         _require_gguf()
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temps(out_dir.parent, f"{_TMP_PREFIX}{key}-")
-        if out_dir.exists():  # no marker: an incomplete dir left by hand or by an older version
+        _remove_stale_temps(out_dir.parent, f"{_TMP_PREFIX}{key}-")  # a killed conversion's leftovers
+        if out_dir.exists():  # no marker or a file that does not match it: never loaded, rebuilt
+            if progress:
+                print(f"[safe-engine] {out_dir} is incomplete or altered; converting it again", file=sys.stderr)
             shutil.rmtree(out_dir)
         tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{key}-", dir=out_dir.parent))
         try:
-            _convert_into(gguf_path, tmp, sha256=sha256, source=source, progress=progress)
+            try:
+                _convert_into(gguf_path, tmp, sha256=sha256, source=source, progress=progress)
+                _seal(tmp)
+            except OSError as err:
+                needed = _converted_size(gguf_path)
+                raise (_no_space(err, out_dir.parent, needed, f"the conversion of {gguf_path.name}") or err) from err
             _make_readable(tmp)
             os.replace(tmp, out_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out_dir
+
+
+def _converted_size(gguf_path: Path) -> int:
+    """About how many bytes the float32 conversion of `gguf_path` writes: 4 per weight (from the GGUF's
+    tensor table; 4x the file, a quantised file's upper bound, when it cannot be read)."""
+    try:
+        from gguf import GGUFReader
+
+        return sum(4 * int(t.n_elements) for t in GGUFReader(str(gguf_path)).tensors)
+    except Exception:
+        return 4 * gguf_path.stat().st_size
 
 
 def _convert_into(gguf_path: Path, out_dir: Path, *, sha256: str, source: str, progress: bool) -> None:
@@ -463,18 +545,20 @@ def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
     return _convert(path.resolve(), sha256, source=str(path.resolve()), progress=progress)
 
 
-def model_dir(name: str, *, progress: bool = True) -> Path:
+def model_dir(name: str, *, progress: bool = True, verify: bool = False) -> Path:
     """Return the converted safetensors dir of demo model ``name`` (fetch + convert on first use).
 
-    Once converted this only checks that the dir exists, so the engine pays nothing on later loads.
+    Once converted this only checks the files' recorded sizes (a truncated file is converted again), so
+    the engine pays almost nothing on later loads; `verify` (``safe-engine models fetch``) also checks their
+    sha256, so an altered file is converted again too.
     """
     spec = _spec(name)
     out_dir = _converted_path(spec.sha256)
-    if _is_converted(out_dir):
+    if _is_converted(out_dir, deep=verify):
         return out_dir
     _require_gguf()  # fail before downloading hundreds of MB that could not be converted
     gguf_path = fetch(name, progress=progress)  # re-verifies the sha256 of a cached GGUF
-    return _convert(gguf_path, spec.sha256, source=spec.name, progress=progress)
+    return _convert(gguf_path, spec.sha256, source=spec.name, progress=progress, deep=verify)
 
 
 def list_models() -> list[dict]:

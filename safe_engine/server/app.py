@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
@@ -28,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..config import GenerationConfig
 from ..engine.ensemble import AsyncTextStream, Ensemble
@@ -52,7 +54,9 @@ from .schemas import (
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 RETRY_AFTER_S = 1  # what a 503 tells clients to wait before retrying (the openai SDK honours it)
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 60.0
 _IDLE_WAIT_S = 30.0  # at shutdown, how long the last round (already cancelled) may take to end
+_log = logging.getLogger("safe_engine.server")
 
 
 @dataclass
@@ -68,6 +72,8 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     # engine requests this server has submitted and not yet ended (running, waiting or being tokenized)
     admitted: int = 0
+    # How long a stream's next chunk may wait for the client to read (None: no limit); see _SSEResponse.
+    stream_idle_timeout: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S
     ensemble: Ensemble | None = None
     load_error: BaseException | None = None
     created: int = field(default_factory=shapes.now)
@@ -92,6 +98,7 @@ def create_app(
     max_batch_size: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_queue: int | None = None,
+    stream_idle_timeout: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S,
     on_ready: Callable[[ServerState], None] | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
@@ -103,7 +110,15 @@ def create_app(
     set, is required as `Authorization: Bearer <key>` on /v1 routes (/health stays open for probes);
     `max_queue`, when given, is how many requests (choices) may wait for a slot in the batch: a request that
     would make more wait is refused at once with a 503 and `Retry-After` (None: no bound).
+    `stream_idle_timeout` (seconds, None: none) ends a stream whose client stops reading without leaving:
+    once its next chunk has waited that long to be sent, the connection is closed and the request cancelled.
     """
+    if stream_idle_timeout is not None and (
+        isinstance(stream_idle_timeout, bool)
+        or not isinstance(stream_idle_timeout, int | float)
+        or not stream_idle_timeout > 0
+    ):
+        raise ConfigError(f"stream_idle_timeout must be a number of seconds > 0 or None, got {stream_idle_timeout!r}")
     if max_batch_size is not None and (
         isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1
     ):
@@ -119,6 +134,7 @@ def create_app(
         max_batch_size=max_batch_size,
         max_body_bytes=max_body_bytes,
         max_queue=max_queue,
+        stream_idle_timeout=stream_idle_timeout,
     )
 
     @asynccontextmanager
@@ -184,7 +200,7 @@ def create_app(
         batch = await _start(state, ens, [engine_request], req.n or 1, arrived)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_chat_events(batch, state, ens, name, include_usage), batch)
+            return _sse(_chat_events(batch, state, ens, name, include_usage), batch, state)
         results = await _results(batch, _interruption(state, request))
         usage = _usage(batch, results, _drafter(ens))
         return JSONResponse(shapes.chat_completion(shapes.new_id("chatcmpl"), name, shapes.now(), results, usage))
@@ -202,7 +218,7 @@ def create_app(
         echo = prompts if req.echo else None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(_completion_events(batch, state, ens, name, include_usage, echo), batch)
+            return _sse(_completion_events(batch, state, ens, name, include_usage, echo), batch, state)
         results = await _results(batch, _interruption(state, request))
         usage = _usage(batch, results, _drafter(ens))
         texts = [(echo[c.prompt_index] if echo else "") + r.text for c, r in zip(batch.choices, results)]
@@ -219,7 +235,7 @@ def create_app(
         batch = await _start(state, ens, [engine_request], 1, arrived)
         echo = rsp.echoed(req, name)
         if req.stream:
-            return _sse(_response_events(batch, state, ens, echo), batch)
+            return _sse(_response_events(batch, state, ens, echo), batch, state)
         (result,) = await _results(batch, _interruption(state, request))
         return JSONResponse(rsp.response(echo, result, _usage(batch, [result], _drafter(ens))))
 
@@ -289,10 +305,15 @@ async def _json_body(request: Request, limit: int) -> dict[str, Any]:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # the client left while sending its body: nobody to answer, nothing to log
+        raise RequestError(
+            499, "the client closed the request", code="client_closed", type="invalid_request_error"
+        ) from None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -820,25 +841,46 @@ def _finished(batch: _Batch) -> list[GenerationResult]:
     return [c.result for c in batch.choices if c.result is not None]
 
 
+class StreamStalled(Exception):
+    """A stream's client stopped reading (without leaving) for longer than the server's idle timeout."""
+
+
 class _SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its body generator and its batch, even when the client vanished
-    before the body started, so the generations behind it are cancelled and their caches freed right away."""
+    before the body started, so the generations behind it are cancelled and their caches freed right away.
 
-    def __init__(self, body: AsyncIterator[bytes], batch: _Batch, **kwargs: Any) -> None:
+    A client that stops reading but keeps its connection open fills the socket's buffers, and then each
+    `send` waits for it. Past `idle_timeout` seconds of such a wait the stream ends: the request is
+    cancelled (caches freed, its batch slot given to others) and the connection closed (nothing more can
+    be said to a client that does not read). Until then the request decodes on as usual."""
+
+    def __init__(self, body: AsyncIterator[bytes], batch: _Batch, idle_timeout: float | None, **kwargs: Any) -> None:
         super().__init__(body, **kwargs)
         self.batch = batch
+        self.idle_timeout = idle_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        timeout = self.idle_timeout
+
+        async def send_within(message: Any) -> None:
+            try:
+                async with asyncio.timeout(timeout):  # no task per chunk, unlike wait_for
+                    await send(message)
+            except TimeoutError:
+                raise StreamStalled(f"the client read nothing for {timeout} s") from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if timeout is None else send_within)
+        except StreamStalled as stalled:
+            _log.warning("ending a stream: %s (--stream-idle-timeout)", stalled)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             await self.batch.close()
 
 
-def _sse(body: AsyncIterator[bytes], batch: _Batch) -> Response:
+def _sse(body: AsyncIterator[bytes], batch: _Batch, state: ServerState) -> Response:
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return _SSEResponse(body, batch, media_type="text/event-stream", headers=headers)
+    return _SSEResponse(body, batch, state.stream_idle_timeout, media_type="text/event-stream", headers=headers)
 
 
 # -- errors ----------------------------------------------------------------------------------------------------

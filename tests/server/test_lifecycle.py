@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +18,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from safe_engine import GenerationConfig
+from safe_engine import ConfigError, GenerationConfig
 from safe_engine.server import BackgroundServer, create_app
 
 from .conftest import KEY, MODEL, live_caches, wait_for
@@ -172,7 +175,7 @@ def test_cli_serves_then_shuts_down_gracefully_on_a_signal(model_dirs, sig):
     proc, url = start_cli(
         model_dirs,
         *("--api-key", KEY, "--served-model-name", MODEL, "--shutdown-timeout", "1"),
-        *("--max-batch-size", "2", "--max-queue", "0"),
+        *("--max-batch-size", "3", "--max-queue", "0"),
     )
     try:
         assert url.startswith("http://127.0.0.1:")
@@ -181,24 +184,36 @@ def test_cli_serves_then_shuts_down_gracefully_on_a_signal(model_dirs, sig):
         )
         assert res.status_code == 200 and res.json()["usage"]["completion_tokens"] <= 6
         assert httpx.post(f"{url}/v1/chat/completions", json={"messages": USER}, timeout=10).status_code == 401
-        # --max-queue 0 with a batch of 2: three choices can never be held at once
-        too_many = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "n": 3}, headers=AUTH, timeout=10)
+        # --max-queue 0 with a batch of 3: four choices can never be held at once
+        too_many = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "n": 4}, headers=AUTH, timeout=10)
         assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
         assert "safe_requests_total" in httpx.get(f"{url}/metrics", timeout=10).text
+        # a batch decoding: three streams (the batch's three places), the signal once each has its first chunks
         body = {"model": MODEL, "messages": USER, "max_tokens": LONG, "stream": True}
-        events = []
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as stream:
-            for line in stream.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[6:])
-                if len(events) == 3:
-                    proc.send_signal(sig)
-        assert events[-1] == "[DONE]"  # the stream ended cleanly, not cut off
-        last = json.loads(events[-2])
-        assert "error" in last and last["error"]["code"] == "server_shutdown"
+        streams: list[list[str]] = [[] for _ in range(3)]
+        going = threading.Barrier(len(streams) + 1)
+
+        def read(events: list[str]) -> None:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=60) as stream:
+                for line in stream.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 3:
+                            going.wait(30)
+
+        readers = [threading.Thread(target=read, args=(events,)) for events in streams]
+        for reader in readers:
+            reader.start()
+        going.wait(60)
+        proc.send_signal(sig)
+        for reader in readers:
+            reader.join(60)
+        for events in streams:
+            assert events[-1] == "[DONE]"  # each stream ended cleanly, not cut off
+            last = json.loads(events[-2])  # its last chunk says why, in OpenAI's error shape
+            assert last["error"]["code"] == "server_shutdown" and "shutting down" in last["error"]["message"]
         assert proc.wait(timeout=30) == 0
-        assert "[server stopped]" in proc.stderr.read()
+        assert "[server stopped: 0 open requests, no decoding thread left]" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -217,3 +232,100 @@ def test_the_engine_and_the_cli_work_without_fastapi():
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
     assert "pip install 'langchain-safe[server]'" in res.stderr
+
+
+def stalling_client(app, after: int = 2):
+    """The app, with the `send` of requests marked `x-stall: 1` blocking for good after `after` body chunks:
+    what uvicorn's `send` does once a client that stopped reading has let the socket's buffers fill (on
+    loopback that takes megabytes of output, so the test blocks it directly)."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http" or (b"x-stall", b"1") not in scope["headers"]:
+            return await app(scope, receive, send)
+        chunks = 0
+
+        async def stalling(message):
+            nonlocal chunks
+            if message["type"] == "http.response.body":
+                chunks += 1
+                if chunks > after:
+                    await asyncio.Event().wait()  # the client reads nothing more
+            await send(message)
+
+        return await app(scope, receive, stalling)
+
+    wrapped.state = app.state
+    return wrapped
+
+
+def test_a_stream_whose_client_stops_reading_ends_at_the_idle_deadline(served, monkeypatch):
+    """A client that keeps its connection open but reads nothing: once the server's next chunk has waited
+    `stream_idle_timeout` seconds, the request is cancelled (caches freed) and the connection closed; a
+    stream beside it runs meanwhile, not waiting for that deadline."""
+    opened = keep_streams(monkeypatch, served.ens)
+    deadline_s = 3.0
+    app = create_app(served.ens, model_name=MODEL, stream_idle_timeout=deadline_s)
+    body = {"model": MODEL, "messages": USER, "max_tokens": LONG, "stream": True}
+    other = {"model": MODEL, "messages": USER, "max_tokens": 12, "stream": True}
+    with BackgroundServer(stalling_client(app)) as srv:
+        t0 = time.monotonic()
+        with httpx.stream(
+            "POST", f"{srv.url}/v1/chat/completions", json=body, headers={"x-stall": "1"}, timeout=60
+        ) as stalled:
+            assert stalled.status_code == 200
+            lines = stalled.iter_lines()
+            assert next(lines).startswith("data: ")  # the first chunk; then the client's buffers are "full"
+            wait_for(lambda: served.ens.open_requests == 1, what="the stalled request to decode")
+            started = time.monotonic()
+            with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=other, timeout=60) as res:
+                beside = [line for line in res.iter_lines() if line.startswith("data: ")]
+            beside_s = time.monotonic() - started
+            assert served.ens.open_requests == 1  # the stalled one still decodes: its deadline is not up
+            wait_for(lambda: served.ens.open_requests == 0, timeout=30, what="the idle deadline")
+            ended_s = time.monotonic() - t0
+            rest = []
+            with pytest.raises(httpx.RemoteProtocolError):  # the server closed the connection mid-response
+                rest.extend(lines)
+            assert "data: [DONE]" not in rest
+    assert beside[-1] == "data: [DONE]" and json.loads(beside[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert opened[0].result is None  # cancelled at the deadline, not decoded to its 3000 tokens
+    assert served.ens.open_requests == 0 and live_caches() == 0
+    assert beside_s < deadline_s <= ended_s, (beside_s, ended_s)
+
+
+def test_the_stream_idle_timeout_is_checked():
+    with pytest.raises(ConfigError, match="stream_idle_timeout"):
+        create_app(lambda: None, stream_idle_timeout=0)
+    res = subprocess.run(
+        [sys.executable, "-m", "safe_engine", "serve", "-m", "a", "-m", "b", "--stream-idle-timeout", "-1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode != 0 and "--stream-idle-timeout must be >= 0" in res.stderr
+
+
+def test_a_client_leaving_while_sending_its_body_is_not_a_server_error(served):
+    """A client cancelled mid-upload: no 'Exception in ASGI application' in the server's log, nothing held."""
+    errors: list[str] = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            errors.append(record.getMessage())
+
+    handler = Record(level=logging.ERROR)
+    logging.getLogger("uvicorn.error").addHandler(handler)
+    try:
+        host, port = served.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as client:
+            head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            client.sendall(f"{head}Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode())
+            client.sendall(b'{"messages": [{"role": "user", "content": "a body that never ends')
+            time.sleep(0.3)
+        wait_for(lambda: served.health()["status"] == "ok", what="the server")
+        time.sleep(0.5)
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+    assert errors == []
+    assert served.wait_idle()["open_requests"] == 0

