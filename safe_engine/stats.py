@@ -67,6 +67,42 @@ class EnsemblePoint:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class TopLogprob:
+    """One alternative at a token's position: its text, its UTF-8 bytes and its log-probability."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+
+    def to_dict(self) -> dict:
+        return {"token": self.token, "bytes": list(self.bytes), "logprob": self.logprob}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token (in the drafter's tokenization) with the log-probability of the distribution it was
+    decided from: "ensemble" (the sharpened, grammar-restricted ensemble distribution over strings at an
+    ensemble point) or "drafter" (the drafter's own distribution after penalties, temperature, top-p and the
+    grammar's mask). `top_logprobs` come from that same distribution, best first."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[TopLogprob]
+    source: str  # "ensemble" | "drafter"
+
+    def to_dict(self) -> dict:
+        """OpenAI's chat shape (`choice.logprobs.content[i]`) plus the `source` field."""
+        return {
+            "token": self.token,
+            "bytes": list(self.bytes),
+            "logprob": self.logprob,
+            "top_logprobs": [t.to_dict() for t in self.top_logprobs],
+            "source": self.source,
+        }
+
+
 @dataclass
 class GenerationResult:
     """Generated text (prompt excluded), why it ended, and the stats."""
@@ -80,3 +116,5 @@ class GenerationResult:
     tool_calls: list[dict] | None = None
     content: str | None = None
     invalid_tool_calls: list[dict] | None = None
+    # With logprobs=k: one entry per emitted token of `text` (the tokens' bytes spell it exactly)
+    logprobs: list[TokenLogprob] | None = None
