@@ -12,8 +12,8 @@ An adapter adapts a knob where its framework has a convention (`adapted`): LangC
 from __future__ import annotations
 
 import argparse
-import json
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Callable, Mapping

@@ -103,6 +103,28 @@ class TokenLogprob:
         }
 
 
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    """OpenAI's chat `logprobs` object: {"content": [{token, bytes, logprob, top_logprobs, source}, ...]}."""
+    return {"content": [e.to_dict() for e in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> dict:
+    """OpenAI's legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs (one {token:
+    logprob} dict per token; the chosen token is always in it, as OpenAI's API adds it), text_offset (in
+    characters, from `text_offset`), plus each token's `sources`."""
+    offsets, data = [], b""
+    for e in entries:
+        offsets.append(text_offset + len(data.decode("utf-8", errors="ignore")))
+        data += bytes(e.bytes)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{**{t.token: t.logprob for t in e.top_logprobs}, e.token: e.logprob} for e in entries],
+        "text_offset": offsets,
+        "sources": [e.source for e in entries],
+    }
+
+
 @dataclass
 class GenerationResult:
     """Generated text (prompt excluded), why it ended, and the stats."""
