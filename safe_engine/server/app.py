@@ -31,7 +31,7 @@ from ..errors import ConfigError, GenerationTimeout, InputError, InputTypeError,
 from ..shaping.reply import StreamEvent
 from ..shaping.request import Request as EngineRequest
 from ..shaping.request import build_request
-from ..stats import GenerationResult
+from ..stats import GenerationResult, chat_logprobs, completion_logprobs
 from . import openai_shapes as shapes
 from .schemas import (
     ChatCompletionRequest,
@@ -301,12 +301,18 @@ def _check_model(state: ServerState, model: str | None) -> str:
     return name
 
 
+# OpenAI's (and vLLM's) fields that are engine options by the same name
+LOGPROBS_AND_PENALTIES = (
+    "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"
+)  # fmt: skip
+
+
 def _engine_request(req: Any, state: ServerState, ens: Ensemble, **inputs: Any) -> EngineRequest:
     """The engine's Request (`build_request`, as at every door): OpenAI's fields by the engine's shared
     semantics, the SAFE knobs by their own names, the server's defaults underneath."""
     options = {k: v for k, v in inputs.items() if v is not None}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "stop"):
-        if getattr(req, name) is not None:
+    for name in ("max_tokens", "temperature", "top_p", "seed", "stop", *LOGPROBS_AND_PENALTIES):
+        if getattr(req, name, None) is not None:
             options[name] = getattr(req, name)
     options.update(req.model_extra or {})  # the SAFE knobs (parse_request refused any other extra field)
     try:
@@ -521,8 +527,10 @@ async def _chat_events(
     try:
         yield shapes.sse(shapes.chat_chunk(rid, name, created, {"role": "assistant", "content": ""}))
         async for event in _events(stream, _stream_check(state)):
-            if event.content:
-                yield shapes.sse(shapes.chat_chunk(rid, name, created, {"content": event.content}))
+            logprobs = chat_logprobs(event.logprobs) if event.logprobs else None  # the delta's tokens'
+            if event.content or logprobs:
+                delta = {"content": event.content} if event.content else {}
+                yield shapes.sse(shapes.chat_chunk(rid, name, created, delta, logprobs=logprobs))
             result = event.result
             if result is None:
                 continue
@@ -542,11 +550,14 @@ async def _completion_events(
     stream: AsyncTextStream, state: ServerState, ens: Ensemble, name: str, include_usage: bool
 ) -> AsyncIterator[bytes]:
     rid, created = shapes.new_id("cmpl"), shapes.now()
+    offset = 0  # characters streamed so far (the logprobs' text_offset)
     try:
         async for event in _events(stream, _stream_check(state)):
             result = event.result
-            if event.delta or result is None:
-                yield shapes.sse(shapes.completion_chunk(rid, name, created, event.delta))
+            if event.delta or result is None or event.logprobs:
+                logprobs = completion_logprobs(event.logprobs, offset) if event.logprobs is not None else None
+                yield shapes.sse(shapes.completion_chunk(rid, name, created, event.delta, logprobs=logprobs))
+                offset += len(event.delta)
             if result is None:
                 continue
             safe = shapes.safe_stats(result)

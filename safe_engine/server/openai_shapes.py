@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from ..stats import GenerationResult
+from ..stats import GenerationResult, chat_logprobs, completion_logprobs
 
 # The engine's finish reasons in OpenAI's words: an EOS or a stop string both "stop".
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -76,7 +76,14 @@ def chat_completion(request_id: str, model: str, created: int, result: Generatio
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(result), "logprobs": None}],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish_reason(result),
+                "logprobs": None if result.logprobs is None else chat_logprobs(result.logprobs),
+            }
+        ],
         "usage": usage(result, drafter),
         "safe": safe_stats(result),
     }
@@ -88,12 +95,14 @@ def chat_chunk(
     created: int,
     delta: dict[str, Any] | None = None,
     finish: str | None = None,
+    logprobs: dict[str, Any] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """A chat.completion.chunk; `delta=None` with `extra` usage makes the usage-only chunk (no choices)."""
+    """A chat.completion.chunk; `delta=None` with `extra` usage makes the usage-only chunk (no choices);
+    `logprobs`: those of the tokens of this chunk's content."""
     chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     chunk["choices"] = (
-        [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     )
     chunk.update(extra)
     return chunk
@@ -105,18 +114,33 @@ def text_completion(request_id: str, model: str, created: int, result: Generatio
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": result.text, "finish_reason": finish_reason(result), "logprobs": None}],
+        "choices": [
+            {
+                "index": 0,
+                "text": result.text,
+                "finish_reason": finish_reason(result),
+                "logprobs": None if result.logprobs is None else completion_logprobs(result.logprobs),
+            }
+        ],
         "usage": usage(result, drafter),
         "safe": safe_stats(result),
     }
 
 
 def completion_chunk(
-    request_id: str, model: str, created: int, text: str | None, finish: str | None = None, **extra: Any
+    request_id: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish: str | None = None,
+    logprobs: dict[str, Any] | None = None,
+    **extra: Any,
 ) -> dict[str, Any]:
-    """A streamed text_completion; `text=None` makes the usage-only chunk (no choices)."""
+    """A streamed text_completion; `text=None` makes the usage-only chunk (no choices); `logprobs`: those
+    of this chunk's tokens (OpenAI's legacy shape)."""
     chunk: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-    chunk["choices"] = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+    chunk["choices"] = [] if text is None else [choice]
     chunk.update(extra)
     return chunk
 

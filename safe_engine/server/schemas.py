@@ -19,9 +19,9 @@ from ..config import GenerationConfig
 
 # GenerationConfig fields a request may set by their own name (extra body fields); the others have OpenAI
 # names (max_tokens, stop, temperature, top_p, seed).
-SAFE_KNOBS = tuple(
-    f.name for f in fields(GenerationConfig) if f.name not in ("max_new_tokens", "stop", "temperature", "top_p", "seed")
-)
+_OPENAI_NAMED: tuple[str, ...] = ("max_new_tokens", "stop", "temperature", "top_p", "seed", "logprobs")
+_OPENAI_NAMED += ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")  # fields below
+SAFE_KNOBS = tuple(f.name for f in fields(GenerationConfig) if f.name not in _OPENAI_NAMED)
 
 # Fields that only label or route a request, with no effect on what is generated: accepted, not used.
 BOOKKEEPING = ("user", "metadata", "safety_identifier", "prompt_cache_key")
@@ -32,12 +32,6 @@ _TEXT_FORMAT = {"type": "text"}
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "n": ((None, 1), "one choice per request; send n separate requests (with different seeds when sampling)"),
     "best_of": ((None, 1), "one choice per request"),
-    "logprobs": ((None, False), "the ensemble has no single distribution per token to report"),
-    "top_logprobs": ((None, 0), "the ensemble has no single distribution per token to report"),
-    "presence_penalty": ((None, 0), "penalties are not implemented; leave it at 0"),
-    "frequency_penalty": ((None, 0), "penalties are not implemented; leave it at 0"),
-    "repetition_penalty": ((None, 1), "penalties are not implemented; leave it at 1"),
-    "logit_bias": ((None, {}), "logit biases are not implemented"),
     "functions": ((None,), "the deprecated functions API is not supported; use tools"),
     "function_call": ((None,), "the deprecated functions API is not supported; use tool_choice"),
     "audio": ((None,), "the members are text-only"),
@@ -138,15 +132,15 @@ class _Request(BaseModel):
     metadata: dict[str, Any] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # penalties, per member in its own tokens; logit_bias in the drafter's token ids (ranges: the engine's, a
+    # 400 naming the field); repetition_penalty is vLLM's extra field
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     # unsupported unless neutral (see UNSUPPORTED)
     n: Any = None
     best_of: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
     service_tier: Any = None
     store: Any = None
 
@@ -160,6 +154,8 @@ class _Request(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None  # OpenAI's chat form: True, with top_logprobs alternatives (0-20)
+    top_logprobs: int | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -180,6 +176,7 @@ class ChatCompletionRequest(_Request):
 
 class CompletionRequest(_Request):
     prompt: str | list[str]
+    logprobs: int | None = None  # the legacy form: k alternatives (0-20)
     echo: Any = None
     suffix: Any = None
 

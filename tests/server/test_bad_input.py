@@ -213,10 +213,17 @@ CASES = [
     ),
     # unsupported or unknown fields
     ("n > 1", "POST", CHAT, chat(n=2), AUTH, 400, "n"),
-    ("logprobs", "POST", CHAT, chat(logprobs=True), AUTH, 400, "logprobs"),
-    ("top_logprobs", "POST", CHAT, chat(top_logprobs=3), AUTH, 400, "top_logprobs"),
-    ("presence_penalty", "POST", CHAT, chat(presence_penalty=0.5), AUTH, 400, "presence_penalty"),
-    ("logit_bias", "POST", CHAT, chat(logit_bias={"42": 10}), AUTH, 400, "logit_bias"),
+    # logprobs, penalties, logit_bias: bad values named
+    ("logprobs a number in chat", "POST", CHAT, chat(logprobs=3), AUTH, 400, "logprobs"),
+    ("top_logprobs without logprobs", "POST", CHAT, chat(top_logprobs=3), AUTH, 400, "top_logprobs"),
+    ("top_logprobs above 20", "POST", CHAT, chat(logprobs=True, top_logprobs=21), AUTH, 400, "top_logprobs"),
+    ("presence_penalty above 2", "POST", CHAT, chat(presence_penalty=2.5), AUTH, 400, "presence_penalty"),
+    ("frequency_penalty a string", "POST", CHAT, chat(frequency_penalty="x"), AUTH, 400, "frequency_penalty"),
+    ("repetition_penalty zero", "POST", CHAT, chat(repetition_penalty=0), AUTH, 400, "repetition_penalty"),
+    ("logit_bias above 100", "POST", CHAT, chat(logit_bias={"42": 101}), AUTH, 400, "logit_bias"),
+    ("logit_bias a word key", "POST", CHAT, chat(logit_bias={"the": 1}), AUTH, 400, "logit_bias"),
+    ("completions logprobs a bool", "POST", COMPLETIONS, completion(logprobs=True), AUTH, 400, "logprobs"),
+    ("completions logprobs above 20", "POST", COMPLETIONS, completion(logprobs=21), AUTH, 400, "logprobs"),
     ("response_format type", "POST", CHAT, chat(response_format={"type": "xml"}), AUTH, 400, "response_format"),
     (
         "json_schema without a schema",
