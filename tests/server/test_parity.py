@@ -85,8 +85,9 @@ CASES: dict[str, dict[str, Any]] = {
     "one call at most": {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 80},
     "json_schema": {"response_format": JSON_SCHEMA, "max_tokens": 60},
     "json mode": {"response_format": {"type": "json_object"}},
-    "frequency and presence penalties": {"frequency_penalty": 1.5, "presence_penalty": 1.0},
-    "repetition penalty": {"repetition_penalty": 1.5},  # vLLM's extra field over HTTP
+    # negative penalties and a repetition penalty below 1 encourage repeats, which random models otherwise avoid
+    "frequency and presence penalties": {"frequency_penalty": -2.0, "presence_penalty": -2.0},
+    "repetition penalty": {"repetition_penalty": 0.3},  # vLLM's extra field over HTTP
     "logit_bias": {"logit_bias": {"15": 100}},  # the drafter's (Qwen's) "0"
     "logit_bias bars tokens": {"logit_bias": {"15": -100, "16": -100}},
 }
