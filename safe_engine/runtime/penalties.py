@@ -23,22 +23,27 @@ import torch
 
 def _counts(
     history: Sequence[int], start: int, first: int, rows: int, vocab: int, device: torch.device
-) -> torch.Tensor:
-    """[rows, vocab] counts of the ids of `history[start:]` before each row's position: row r sees the ids
-    `history[start : first + r]` (ids outside the vocabulary are not counted)."""
-    ids = torch.tensor(list(history[start:]), dtype=torch.long, device=device)
-    valid = ids < vocab
-    base_n = max(0, first - start)
-    base = torch.bincount(ids[:base_n][valid[:base_n]], minlength=vocab)[:vocab].to(torch.float32)
-    counts = base.unsqueeze(0).repeat(rows, 1)
-    steps = ids[base_n:]  # the ids from row 0's position on: row r sees those before it
-    if steps.numel():
-        increments = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
-        r = torch.arange(1, steps.numel() + 1, device=device) + max(0, start - first)
-        keep = valid[base_n:] & (r < rows)
-        increments[r[keep], steps[keep]] = 1.0
-        counts += torch.cumsum(increments, dim=0)
-    return counts
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The distinct ids of `history[start:]` (inside the vocabulary) and [rows, len(ids)] their counts before
+    each row's position: row r sees `history[start : first + r]`. Only ids that occur are counted, so the cost
+    follows the text's length, not the vocabulary's (a dense [rows, 152k] count cost 25 ms for 6 rows)."""
+    ids = torch.tensor(list(history[start:]), dtype=torch.long)
+    positions = torch.arange(start, len(history))
+    inside = ids < vocab
+    ids, positions = ids[inside], positions[inside]
+    if ids.numel() == 0:
+        return None
+    distinct, which = torch.unique(ids, return_inverse=True)
+    before = positions < first
+    counts = torch.bincount(which[before], minlength=distinct.numel()).to(torch.float32).repeat(rows, 1)
+    later = ~before
+    from_row = positions[later] - first + 1  # a token at position p counts for the rows after it
+    shown = from_row < rows
+    if bool(shown.any()):
+        steps = torch.zeros(rows, distinct.numel())
+        steps.index_put_((from_row[shown], which[later][shown]), torch.ones(int(shown.sum())), accumulate=True)
+        counts += torch.cumsum(steps, dim=0)
+    return distinct.to(device), counts.to(device)
 
 
 def penalize(
@@ -55,17 +60,23 @@ def penalize(
     rows, vocab = logits.shape
     first = len(history) - rows + 1  # ids the first row has seen
     out = logits.float()
-    if repetition != 1.0:
-        seen = _counts(history, 0, first, rows, vocab, out.device) > 0
-        out = torch.where(seen, torch.where(out > 0, out / repetition, out * repetition), out)
-    if frequency != 0.0 or presence != 0.0:
-        counts = _counts(history, prompt_len, first, rows, vocab, out.device)
-        out = out - counts * frequency - (counts > 0).to(out.dtype) * presence
+    if repetition != 1.0 and (seen := _counts(history, 0, first, rows, vocab, out.device)) is not None:
+        ids, counts = seen
+        out = out.clone() if out is logits else out
+        part = out[:, ids]
+        penalised = torch.where(part > 0, part / repetition, part * repetition)
+        out[:, ids] = torch.where(counts > 0, penalised, part)
+    if (frequency != 0.0 or presence != 0.0) and (
+        generated := _counts(history, prompt_len, first, rows, vocab, out.device)
+    ) is not None:
+        ids, counts = generated
+        out = out.clone() if out is logits else out
+        out[:, ids] -= counts * frequency + (counts > 0).to(out.dtype) * presence
     if bias:
-        ids = [i for i in bias if i < vocab]
-        if ids:
-            index = torch.tensor(ids, dtype=torch.long, device=out.device)
-            values = torch.tensor([bias[i] for i in ids], dtype=out.dtype, device=out.device)
+        ids_in = [i for i in bias if i < vocab]
+        if ids_in:
+            index = torch.tensor(ids_in, dtype=torch.long, device=out.device)
+            values = torch.tensor([bias[i] for i in ids_in], dtype=out.dtype, device=out.device)
             out = out.clone() if out is logits else out
             out[:, index] += values
     return out

@@ -106,6 +106,19 @@ def test_each_row_of_a_many_position_forward_is_penalised_with_the_tokens_before
         assert torch.allclose(row.full(), torch.log_softmax(expected[0], -1), atol=1e-4), r
 
 
+def test_penalize_equals_the_reference_processors_row_by_row():
+    g = torch.Generator().manual_seed(0)
+    for rows, n, prompt_len in [(1, 30, 10), (5, 30, 28), (7, 12, 3), (4, 9, 9), (3, 9, 0)]:
+        history = torch.randint(0, 40, (n,), generator=g).tolist()
+        logits = torch.randn(rows, 50, generator=g)
+        out = penalize(logits, history, prompt_len, 0.7, 0.4, 1.6)
+        for r in range(rows):
+            context = torch.tensor([history[: n - rows + 1 + r]])
+            expected = RepetitionPenaltyLogitsProcessor(1.6)(context, logits[r : r + 1].clone())
+            expected = OpenAIPenalties(prompt_len, 0.7, 0.4)(context, expected)
+            assert torch.allclose(out[r], expected[0], atol=1e-6), (rows, n, prompt_len, r)
+
+
 def test_penalize_is_the_identity_when_off_and_biases_only_given_ids():
     logits = torch.randn(3, 50)
     history = [1, 2, 2, 7, 9]
