@@ -3,7 +3,7 @@ knobs (GenerationConfig's fields, with LangChain's names), per-call overrides an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, model_validator
 
@@ -12,6 +12,7 @@ from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, from_validation_error
 from safe_engine.knobs import UNSET_SAMPLING, adapted
 from safe_engine.shaping.request import overridden
+from safe_engine.stats import TokenLogprob, chat_logprobs, completion_logprobs
 
 if TYPE_CHECKING:
     from langchain_core.language_models import LangSmithParams
@@ -23,6 +24,12 @@ _KNOBS = adapted(
         **UNSET_SAMPLING,
         "max_new_tokens": {"alias": "max_tokens", "doc": "most tokens to generate (alias max_tokens)"},
         "stop": {"type": list[str] | None, "default": None, "doc": "default stop strings (a call's own replace them)"},
+        "logprobs": {
+            "type": bool | int | None,
+            "doc": "report each token's log-probability (response_metadata['logprobs'] as ChatOpenAI's; "
+            "generation_info['logprobs'] as OpenAI's completions): True (with top_logprobs) or a number of "
+            "alternatives per token",
+        },
         "timeout_s": {
             "alias": "timeout",
             "doc": "wall-clock limit of one generation in seconds (alias timeout): GenerationTimeout once passed",
@@ -57,6 +64,8 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
     trust_remote_code: bool = False
     max_retries: int | None = None
     """LangChain's standard parameter; only 0 / None: a generation in this process is not retried."""
+    top_logprobs: int | None = None
+    """With logprobs=True: the most likely alternatives (0-20) reported at each token, as ChatOpenAI's."""
 
     _holder: LazyEnsemble = PrivateAttr()
 
@@ -129,22 +138,40 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
         `build_request` keyword, under the engine's shared semantics: temperature 0 = greedy, max_tokens,
         timeout), for the prompt or messages in `inputs`."""
         call = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_KWARGS}
-        options = overridden({k: getattr(self, k) for k in KNOBS}, call)
+        settings = {k: getattr(self, k) for k in KNOBS}
+        if self.top_logprobs is not None:
+            settings["top_logprobs"] = self.top_logprobs
+        options = overridden(settings, call)
         if options.get("max_new_tokens", 0) is None:  # None: the engine's default length
             del options["max_new_tokens"]
         if stop is not None:
             options["stop"] = stop
         return build_request(**inputs, **options)
 
-    def _generation_info(self, result: GenerationResult) -> dict[str, Any]:
+    def _generation_info(
+        self, result: GenerationResult, logprobs: list[TokenLogprob] | None = None, offset: int = 0
+    ) -> dict[str, Any]:
+        """finish_reason, model_name, E/T, stats (and the trace, and the logprobs: `logprobs` where a stream
+        reported the others already, whose text then starts at character `offset`)."""
         stats = result.stats
-        return {
+        info = {
             "finish_reason": result.finish_reason,
             "model_name": self.ensemble_name,
             "ensemble_rate": stats.ensemble_rate,
             "stats": stats.to_dict(),
             **({"trace": [p.to_dict() for p in result.trace]} if result.trace is not None else {}),
         }
+        entries = result.logprobs if logprobs is None else logprobs
+        if entries is not None:
+            info.update(self._logprobs_info(entries, offset))
+        return info
+
+    def _logprobs_info(self, entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+        """{"logprobs": ...} in the shape the OpenAI model of the same kind gives (chat: ChatOpenAI's;
+        completions: OpenAI's legacy object); LangChain concatenates a stream's lists when merging chunks."""
+        return {"logprobs": chat_logprobs(entries) if self._chat_logprobs else completion_logprobs(entries, offset)}
+
+    _chat_logprobs: ClassVar[bool] = True  # the chat shape; SafeLLM: the completions shape
 
     def _ls_params(
         self, model_type: Literal["chat", "llm"], stop: list[str] | None, kwargs: dict[str, Any]

@@ -20,6 +20,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from safe_engine import GenerationResult, Request, StreamEvent
 from safe_engine.errors import ConfigError
 from safe_engine.shaping.tools import normalize_tool_choice
+from safe_engine.stats import TokenLogprob
 
 from ._base import SafeParams
 from ._messages import langchain_tool_calls, to_engine_messages
@@ -141,10 +142,11 @@ class ChatSafe(SafeParams, BaseChatModel):
             kwargs["tools"] = [convert_to_openai_tool(t) for t in kwargs["tools"]]
         return self._request(stop, kwargs, messages=to_engine_messages(messages))
 
-    def _reply_fields(self, result: GenerationResult) -> dict[str, Any]:
-        """tool_calls, invalid_tool_calls, usage_metadata, response_metadata of the final message."""
+    def _reply_fields(self, result: GenerationResult, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        """tool_calls, invalid_tool_calls, usage_metadata, response_metadata of the final message (`logprobs`:
+        those a stream's last chunk still has to report)."""
         calls, invalid = langchain_tool_calls(result)
-        metadata = self._generation_info(result)
+        metadata = self._generation_info(result, logprobs)
         metadata["model_provider"] = "safe"
         prompt, output = self._prompt_tokens(result), int(result.stats.tokens)
         return {
@@ -157,8 +159,12 @@ class ChatSafe(SafeParams, BaseChatModel):
     def _chunk(self, event: StreamEvent) -> ChatGenerationChunk | None:
         """The chunk for one stream event: the content that can be shown; the last one has the calls."""
         if event.result is None:
-            return ChatGenerationChunk(message=AIMessageChunk(content=event.content)) if event.content else None
-        fields = self._reply_fields(event.result)
+            if not event.content and not event.logprobs:
+                return None
+            info = self._logprobs_info(event.logprobs) if event.logprobs else {}
+            return ChatGenerationChunk(message=AIMessageChunk(content=event.content, response_metadata=info))
+        rest = None if event.result.logprobs is None else event.logprobs or []  # the others came in earlier chunks
+        fields = self._reply_fields(event.result, rest)
         return ChatGenerationChunk(message=AIMessageChunk(content=event.content, chunk_position="last", **fields))
 
     def _stream(

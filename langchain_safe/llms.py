@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseLLM, LangSmithParams
@@ -85,8 +85,10 @@ class SafeLLM(SafeParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
+        offset = 0
         for event in self._holder.events(self._request(stop, kwargs, prompt=prompt)):
-            chunk = self._chunk(event)
+            chunk = self._chunk(event, offset)
+            offset += len(event.delta)
             if run_manager:
                 run_manager.on_llm_new_token(event.delta, chunk=chunk)
             yield chunk
@@ -98,8 +100,10 @@ class SafeLLM(SafeParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
+        offset = 0
         async for event in await self._holder.aevents(self._request(stop, kwargs, prompt=prompt)):
-            chunk = self._chunk(event)
+            chunk = self._chunk(event, offset)
+            offset += len(event.delta)
             if run_manager:
                 await run_manager.on_llm_new_token(event.delta, chunk=chunk)
             yield chunk
@@ -107,6 +111,15 @@ class SafeLLM(SafeParams, BaseLLM):
     def _generation(self, result: GenerationResult) -> Generation:
         return Generation(text=result.text, generation_info=self._generation_info(result))
 
-    def _chunk(self, event: StreamEvent) -> GenerationChunk:
-        info = self._generation_info(event.result) if event.result is not None else None
+    _chat_logprobs: ClassVar[bool] = (
+        False  # OpenAI's legacy completions shape, as langchain_openai's OpenAI LLM reports it
+    )
+
+    def _chunk(self, event: StreamEvent, offset: int = 0) -> GenerationChunk:
+        """The chunk of one event; `offset`: the characters streamed before it (the logprobs' text_offset)."""
+        if event.result is not None:
+            rest = None if event.result.logprobs is None else event.logprobs or []
+            info: dict[str, Any] | None = self._generation_info(event.result, rest, offset)
+        else:
+            info = self._logprobs_info(event.logprobs, offset) if event.logprobs else None
         return GenerationChunk(text=event.delta, generation_info=info)

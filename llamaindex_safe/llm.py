@@ -34,6 +34,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    LogProb,
     MessageRole,
 )
 from llama_index.core.bridge.pydantic import (
@@ -60,6 +61,7 @@ from safe_engine.errors import ConfigError, ToolCallError, from_validation_error
 from safe_engine.knobs import KNOB_NAMES, UNSET_SAMPLING, adapted
 from safe_engine.runtime.members import peek_spec
 from safe_engine.shaping.request import overridden
+from safe_engine.stats import TokenLogprob
 
 from ._messages import engine_message, reply_message, tool_schema, tool_selections
 
@@ -71,6 +73,11 @@ _KNOBS = adapted(
         **UNSET_SAMPLING,
         "stop": {"type": list[str], "default": [], "doc": "stop strings (excluded from the output)"},
         "timeout_s": {"alias": "timeout", "doc": "wall-clock limit of one generation in seconds (alias timeout)"},
+        "logprobs": {
+            "type": bool | int | None,
+            "doc": "report each token's log-probability in the responses' `logprobs`: True (with top_logprobs, as "
+            "LlamaIndex's OpenAI) or a number of alternatives per token",
+        },
     }
 )
 _KNOB_FIELDS: dict[str, Any] = {k.name: (k.type, Field(k.default, alias=k.alias, description=k.doc)) for k in _KNOBS}
@@ -115,6 +122,9 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
     )
     dtype: str | None = Field(default=None, description='e.g. "bfloat16"; default float32 on CPU, bf16 on GPU.')
     trust_remote_code: bool = Field(default=False, description="Allow models that ship their own code.")
+    top_logprobs: int | None = Field(
+        default=None, description="With logprobs=True: the most likely alternatives (0-20) reported per token."
+    )
 
     context_window: int | None = Field(
         default=None,
@@ -245,6 +255,8 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
         `build_request` keyword, under the engine's shared semantics: temperature 0 = greedy, max_tokens,
         timeout), for the prompt or messages in `inputs`."""
         settings = {name: getattr(self, name) for name in GENERATION_OPTIONS}
+        if self.top_logprobs is not None:
+            settings["top_logprobs"] = self.top_logprobs
         options = overridden({**settings, "stop": tuple(self.stop)}, kwargs)
         return build_request(**inputs, **options)
 
@@ -296,31 +308,38 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
         return {"additional_kwargs": {"finish_reason": result.finish_reason, **stats}, "raw": raw}
 
     def _completion(self, result: GenerationResult) -> CompletionResponse:
-        return CompletionResponse(text=result.text, **self._extras(result))
+        return CompletionResponse(text=result.text, logprobs=_logprobs(result.logprobs), **self._extras(result))
 
     def _chat(self, result: GenerationResult) -> ChatResponse:
         return self._chat_response(result.content or "", "", result)
 
-    def _chat_response(self, text: str, delta: str, result: GenerationResult | None) -> ChatResponse:
-        """A reply so far (the last one with its tool calls, and the invalid ones in raw)."""
+    def _chat_response(
+        self, text: str, delta: str, result: GenerationResult | None, logprobs: list[TokenLogprob] | None = None
+    ) -> ChatResponse:
+        """A reply so far (the last one with its tool calls, and the invalid ones in raw); `logprobs`: a
+        streamed response's own tokens' (default: the result's, all of them)."""
         if result is None:
-            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta)
+            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+            return ChatResponse(message=message, delta=delta, logprobs=_logprobs(logprobs))
         extras = self._extras(result)
         if result.invalid_tool_calls:
             extras["raw"]["invalid_tool_calls"] = result.invalid_tool_calls
-        return ChatResponse(message=reply_message(result), delta=delta, **extras)
+        entries = result.logprobs if logprobs is None else logprobs
+        return ChatResponse(message=reply_message(result), delta=delta, logprobs=_logprobs(entries), **extras)
 
     def _completions(self, events: Iterator[StreamEvent]) -> CompletionResponseGen:
         text = ""
         for event in events:
             text += event.delta
-            yield CompletionResponse(text=text, delta=event.delta, **self._extras(event.result))
+            logprobs = _logprobs(event.logprobs)  # the delta's tokens
+            yield CompletionResponse(text=text, delta=event.delta, logprobs=logprobs, **self._extras(event.result))
 
     async def _acompletions(self, events: AsyncIterator[StreamEvent]) -> CompletionResponseAsyncGen:
         text = ""
         async for event in events:
             text += event.delta
-            yield CompletionResponse(text=text, delta=event.delta, **self._extras(event.result))
+            logprobs = _logprobs(event.logprobs)  # the delta's tokens
+            yield CompletionResponse(text=text, delta=event.delta, logprobs=logprobs, **self._extras(event.result))
 
     def _chats(self, events: Iterator[StreamEvent]) -> ChatResponseGen:
         text = ""
@@ -338,9 +357,10 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
 
     def _chat_chunk(self, event: StreamEvent, text: str) -> ChatResponse | None:
         """The streamed reply after one event: only text that cannot turn into a tool call is shown."""
-        if event.result is None and not event.content:
+        if event.result is None and not event.content and not event.logprobs:
             return None
-        return self._chat_response(text + event.content, event.content, event.result)
+        # a stream's event carries its own tokens' logprobs (None when off)
+        return self._chat_response(text + event.content, event.content, event.result, event.logprobs)
 
     # -- sync API ------------------------------------------------------------------------------------------------
     @llm_completion_callback()
@@ -452,3 +472,16 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
                 "(tool_required=True, or a clearer prompt), or pass error_on_no_tool_call=False"
             )
         return calls
+
+
+def _logprobs(entries: list[TokenLogprob] | None) -> list[list[LogProb]] | None:
+    """LlamaIndex's logprobs: per token, its alternatives best first (as LlamaIndex's OpenAI reads
+    OpenAI's top_logprobs), or the token alone with logprobs=0. The token's own logprob and `source`
+    (ensemble / drafter) are in the engine's result."""
+    if entries is None:
+        return None
+    return [
+        [LogProb(token=t.token, logprob=t.logprob, bytes=list(t.bytes)) for t in e.top_logprobs]
+        or [LogProb(token=e.token, logprob=e.logprob, bytes=list(e.bytes))]
+        for e in entries
+    ]

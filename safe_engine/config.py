@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -14,6 +14,7 @@ AGGREGATIONS = ("unite", "gac")
 SCHEDULES = ("auto", "rounds", "overlap")
 SHARPENINGS = ("heuristic", "geometric", None)
 MAX_NEW_TOKENS_LIMIT = 1_000_000
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,45 @@ class GenerationConfig:
     timeout_s: float | None = field(
         default=None, metadata={"doc": "wall-clock limit of one generation in seconds (GenerationTimeout)"}
     )
+    # Penalties apply to every member's logits, in its own tokens (its own tokenization of the text so far),
+    # before the gates and the aggregation: SAFE over members that each decode with the penalty.
+    frequency_penalty: float = field(
+        default=0.0,
+        metadata={
+            "doc": "OpenAI's frequency penalty in [-2, 2]: each member's logit of a token drops by this times the "
+            "token's count in its own tokens of the generated text"
+        },
+    )
+    presence_penalty: float = field(
+        default=0.0,
+        metadata={
+            "doc": "OpenAI's presence penalty in [-2, 2]: each member's logit of a token that occurs in its own "
+            "tokens of the generated text drops by this"
+        },
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={
+            "doc": "transformers' / vLLM's repetition penalty (> 0, 1 = off): each member's logit of a token in its "
+            "own prompt + generated tokens is divided by it (when positive) or multiplied by it"
+        },
+    )
+    logit_bias: dict[int, float] | None = field(
+        default=None,
+        metadata={
+            "doc": "{drafter token id: bias in [-100, 100]} added to the drafter's logits (OpenAI's logit_bias in "
+            "the drafter's token ids; -100 also bars the token from the ensemble's picks)",
+            "cli": {"metavar": "JSON", "help": 'logit bias as a JSON object {"drafter token id": bias in [-100, 100]}'},
+        },
+    )
+    logprobs: int | None = field(
+        default=None,
+        metadata={
+            "doc": "report each emitted token's log-probability (result.logprobs) with this many alternatives "
+            f"(0-{MAX_TOP_LOGPROBS}); None: off",
+            "cli": {"metavar": "K"},
+        },
+    )
 
     def __post_init__(self) -> None:
         _choice("method", self.method, METHODS)
@@ -154,10 +194,34 @@ class GenerationConfig:
             isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0
         ):
             raise ConfigError(f"timeout_s must be a positive number of seconds or None, got {self.timeout_s!r}")
+        _number_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _number_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        if (
+            isinstance(self.repetition_penalty, bool)
+            or not isinstance(self.repetition_penalty, int | float)
+            or not 0 < self.repetition_penalty < float("inf")
+        ):
+            raise ConfigError(
+                "repetition_penalty must be a number > 0 (1 = off, > 1 discourages repeats), "
+                f"got {self.repetition_penalty!r}"
+            )
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.logprobs is not None:
+            _int_at_least("logprobs", self.logprobs, 0)
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise ConfigError(
+                    f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] alternatives per token (None: off), "
+                    f"got {self.logprobs}"
+                )
 
     def strategy(self, members: int) -> Strategy:
         """How an ensemble of `members` models decodes with this configuration."""
         return Strategy.of(self, members)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the members' logits (off by default, at no cost)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def active_gates(self) -> tuple[str, ...]:
@@ -222,6 +286,31 @@ def _int_at_least(name: str, value: Any, low: int) -> None:
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     if value < low:
         raise ConfigError(f"{name} must be >= {low}, got {value}")
+
+
+def _number_in(name: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ConfigError(f"{name} must be a number in [{low:g}, {high:g}] (0 = off), got {value!r}")
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """{token id: bias}, keys as ints (JSON objects key them by strings), biases in [-100, 100]; {} is None."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise InputTypeError(f"logit_bias must be a mapping {{drafter token id: bias}}, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            tid = -1
+        if isinstance(key, bool) or tid < 0 or (isinstance(key, str) and not key.strip().isdigit()):
+            raise ConfigError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise ConfigError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key!r}")
+        out[tid] = float(value)
+    return out or None
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:

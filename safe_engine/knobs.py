@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -106,8 +107,9 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     A knob's cli hints may give the flag another default (None: "not given", left to `build_request`).
     A bool knob is a switch, unless it has a metavar (`--trace FILE`: the knob is on when the flag is
     given; the command reads the value). A tuple knob is a repeatable flag (`--stop a --stop b`), or a
-    comma list with cli list="comma" (`--gates boundary,consensus`; "none" = the empty list). For a knob
-    that may be None, the value "none" means None (`--sharpening none`).
+    comma list with cli list="comma" (`--gates boundary,consensus`; "none" = the empty list). A dict knob is
+    a JSON object (`--logit-bias '{"50256": -100}'`). For a knob that may be None, the value "none" means
+    None (`--sharpening none`).
     """
     for knob in KNOBS:
         hints = dict(knob.cli)
@@ -151,6 +153,11 @@ def _scalar(knob: Knob) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         if knob.optional and text.lower() == "none":
             return None
+        if knob.base is dict:  # a mapping knob (logit_bias) is given as a JSON object
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError(text)
+            return value
         return knob.base(text)
 
     parse.__name__ = knob.base.__name__  # argparse names it in "invalid int value: 'x'"

@@ -70,6 +70,64 @@ class EnsemblePoint:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class TopLogprob:
+    """One alternative at a token's position: its text, its UTF-8 bytes and its log-probability."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+
+    def to_dict(self) -> dict:
+        return {"token": self.token, "bytes": list(self.bytes), "logprob": self.logprob}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token (in the drafter's tokenization) with the log-probability of the distribution it was
+    decided from: "ensemble" (the sharpened, grammar-restricted ensemble distribution over strings at an
+    ensemble point) or "drafter" (the drafter's own distribution after penalties, temperature, top-p and the
+    grammar's mask). `top_logprobs` come from that same distribution, best first."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: list[TopLogprob]
+    source: str  # "ensemble" | "drafter"
+
+    def to_dict(self) -> dict:
+        """OpenAI's chat shape (`choice.logprobs.content[i]`) plus the `source` field."""
+        return {
+            "token": self.token,
+            "bytes": list(self.bytes),
+            "logprob": self.logprob,
+            "top_logprobs": [t.to_dict() for t in self.top_logprobs],
+            "source": self.source,
+        }
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    """OpenAI's chat `logprobs` object: {"content": [{token, bytes, logprob, top_logprobs, source}, ...]}."""
+    return {"content": [e.to_dict() for e in entries]}
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> dict:
+    """OpenAI's legacy completions `logprobs` object: tokens, token_logprobs, top_logprobs (one {token:
+    logprob} dict per token; the chosen token is always in it, as OpenAI's API adds it), text_offset (in
+    characters, from `text_offset`), plus each token's `sources`."""
+    offsets, data = [], b""
+    for e in entries:
+        offsets.append(text_offset + len(data.decode("utf-8", errors="ignore")))
+        data += bytes(e.bytes)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{**{t.token: t.logprob for t in e.top_logprobs}, e.token: e.logprob} for e in entries],
+        "text_offset": offsets,
+        "sources": [e.source for e in entries],
+    }
+
+
 @dataclass
 class GenerationResult:
     """Generated text (prompt excluded), why it ended, and the stats."""
@@ -83,3 +141,5 @@ class GenerationResult:
     tool_calls: list[dict] | None = None
     content: str | None = None
     invalid_tool_calls: list[dict] | None = None
+    # With logprobs=k: one entry per emitted token of `text` (the tokens' bytes spell it exactly)
+    logprobs: list[TokenLogprob] | None = None

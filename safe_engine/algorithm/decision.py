@@ -53,6 +53,9 @@ class Verdict:
     pick: Pick | None = None
     point: EnsemblePoint | None = None  # filled in when tracing (its `replaced` is set by the caller)
     deferred: bool = False
+    # With logprobs: the distribution the position was decided from (candidate strings, probabilities), also
+    # where speculative sampling kept the drafted string (its probability is then the ensemble's)
+    decided_from: tuple[list[bytes], torch.Tensor] | None = None
 
 
 SKIP = Verdict(ensembled=False)
@@ -79,6 +82,8 @@ class Judge:
         self.union = union
         self.draws = draws
         self.gates = config.active_gates
+        # drafter ids logit_bias bars (-100): the ensemble never picks a string the drafter would spell with one
+        self.banned = frozenset(t for t, b in (config.logit_bias or {}).items() if b <= -100)
 
     def drafter_confident(self, row: Row) -> bool:
         """GaC's own gate: the drafter's top probability is at least 0.5, so GaC leaves the position alone.
@@ -145,13 +150,19 @@ class Judge:
             if masked is None:
                 return SKIP  # the grammar allows none of them: the drafted token (drawn under the mask) stands
             target = masked
+        if self.banned:
+            allowed = self._unbanned(strings, target)
+            if allowed is None:
+                return SKIP  # logit_bias bars every candidate: the drafted token (drawn with the bias) stands
+            target = allowed
+        decided_from = (strings, target) if cfg.logprobs is not None else None
         choice: bytes | None
         if not cfg.do_sample:
             choice = strings[int(torch.argmax(target))]
         elif consensus:
             choice = self._speculative(strings, target, drawn or rows[0], drafted_string, position)
-            if choice is None:
-                return SKIP  # the drafted string was kept: App. H counts this as no ensembling
+            if choice is None:  # the drafted string was kept: App. H counts this as no ensembling
+                return SKIP if decided_from is None else Verdict(ensembled=False, decided_from=decided_from)
         else:
             choice = strings[_draw(target, self.draws.key("pick", position))]
         point = None
@@ -169,7 +180,40 @@ class Judge:
                 candidates=[(_show(strings[i]), float(p)) for i, p in zip(best.indices.tolist(), best.values.tolist())],
                 gates=ran,
             )
-        return Verdict(ensembled=True, pick=Pick.of(choice), point=point)
+        return Verdict(ensembled=True, pick=Pick.of(choice), point=point, decided_from=decided_from)
+
+    def _unbanned(self, strings: list[bytes], target: torch.Tensor) -> torch.Tensor | None:
+        """`target` without the candidates the drafter would be fed a barred id for (logit_bias -100), in
+        order of probability until the best one left is allowed (a GaC union has ~10^5 strings; only the top
+        can win), normalised; None when nothing is left. Sampling picks from the top too: candidates are
+        checked down to where the mass left to check is below 1e-9."""
+        target = target.clone()
+        order = torch.argsort(target, descending=True).tolist()
+        checked = 0.0
+        for i in order:
+            p = float(target[i])
+            if p <= 0:
+                break
+            if self._bars(strings[i]):
+                target[i] = 0.0
+            elif not self.config.do_sample:
+                break  # greedy: the best allowed candidate is found
+            checked += p
+            if checked > 1 - 1e-9:
+                break
+        total = float(target.sum())
+        return target / total if total > 0 else None
+
+    def _bars(self, candidate: bytes) -> bool:
+        """Whether the drafter would be fed an id barred by logit_bias for this candidate string."""
+        drafter = self.members[0]
+        if candidate == EOS:
+            return min(drafter.eos_ids) in self.banned
+        single = drafter.vocab.id_of_bytes.get(candidate)
+        ids = [single] if single is not None else drafter.vocab.encode(candidate)[0]
+        if self.config.aggregation == "unite":
+            ids = ids[:1]
+        return any(i in self.banned for i in ids)
 
     def _distribution(self, rows: Sequence[Row]) -> Distribution:
         if self.config.aggregation == "gac":

@@ -40,10 +40,11 @@ from ..runtime.members import Job, Member, Track
 from ..runtime.rows import Draws, LocalRow, Row, race_sample
 from ..shaping.constrained import Constraint
 from ..shaping.request import Request
-from ..stats import EnsemblePoint, EnsembleStats, GenerationResult
+from ..stats import EnsemblePoint, EnsembleStats, GenerationResult, TokenLogprob
 from .aggregation import Pick, UnionVocab, eos_ids, token_string
 from .alignment import Verification
 from .decision import Judge, Verdict
+from .logprobs import Logprobs
 from .text import TextBuffer, ends_in_loop
 
 CARRY_LIMIT = 3  # judge anyway once the carried-over tokens exceed this many drafts (a verifier token that
@@ -115,7 +116,18 @@ class Generation:
                     "actor; use a local drafter"
                 )
             self.constraint = Constraint(request.grammar, members[drafter])
+        remote = [lineup.names[i] for i in active if getattr(members[i], "is_remote", False)]
+        if remote and config.penalized:
+            raise ConfigError(
+                f"penalties are applied to each member's logits, which stay in its Ray actor ({', '.join(remote)}); "
+                "use local members, or leave frequency_penalty / presence_penalty at 0 and repetition_penalty at 1"
+            )
+        if config.logit_bias and getattr(members[drafter], "is_remote", False):
+            raise ConfigError(
+                "logit_bias is added to the drafter's logits, which stay in its Ray actor; use a local drafter"
+            )
         self.tracks = [Track(members[i], request.encode(members[i]), lineup.names[i]) for i in active]
+        self.tracks[0].logit_bias = config.logit_bias  # the bias is in the drafter's token ids
         self.gates = strategy.gates
         self.executor = lineup.executor
         self.parallel_members = lineup.parallel_members
@@ -128,6 +140,12 @@ class Generation:
         self.stats = EnsembleStats(method=strategy.method, gates=strategy.labels, note=strategy.note)
         self.stats.prompt_tokens = {t.name: t.prompt_len for t in self.tracks}
         self.trace: list[EnsemblePoint] | None = [] if config.trace else None
+        # With logprobs: an entry per accepted token, the byte offset where each ends, and this round's
+        # decided positions (draft index -> the distribution, the chosen string) and the draft positions that a
+        # GaC pick of several ids covers
+        self.logprobs = Logprobs(self.drafter.member, config.logprobs) if config.logprobs is not None else None
+        self._decided: dict[int, tuple[list[bytes], torch.Tensor, bytes]] = {}
+        self._covered: set[int] = set()
         self.buffer = TextBuffer(config.stop)
         self.pending = Draft()  # drafted tokens carried into the next round
         self.draft = Draft()  # this round's tokens not accepted yet
@@ -357,6 +375,11 @@ class Generation:
             pick = verdict.pick
             ids = None if pick is None else self._ids_of(pick, draft.drawn[j], self.stats.tokens + j)
             replaced = ids is not None and ids != draft.ids[j : j + len(ids)]
+            if verdict.decided_from is not None:
+                chosen = verdict.pick.text if verdict.pick is not None else draft.pieces[j]
+                self._decided[j] = (*verdict.decided_from, chosen)
+                if ids is not None and not replaced:
+                    self._covered.update(range(j + 1, j + len(ids)))
             if verdict.ensembled:
                 handed = b"".join(self.drafter.member.token_bytes[t] or b"" for t in ids) if ids else None
                 self._points.append((j, verdict, replaced, handed))
@@ -479,6 +502,9 @@ class Generation:
         ids = draft.ids[:kept]
         pieces = draft.pieces[:kept]
         ended = bool(ids) and not pieces[-1]
+        decided, covered = self._decided, self._covered
+        self._decided, self._covered = {}, set()
+        entries = [self._entry(draft, j, decided, covered) for j in range(kept)] if self.logprobs is not None else []
         if replacement is not None:
             room = budget - kept  # >= 1: the replaced position was within the budget and the window
             if member.context_window is not None:
@@ -490,6 +516,10 @@ class Generation:
                 constraint.consume(replacement)
             ids = ids + replacement
             pieces = pieces + [member.token_bytes[t] or b"" for t in replacement]
+            if self.logprobs is not None:
+                strings, target, chosen = decided[kept]
+                entries += [self.logprobs.ensemble(replacement[0], strings, target, chosen)]
+                entries += [self.logprobs.determined(t) for t in replacement[1:]]
             drafter.ids = drafter.ids[:base] + ids
             drafter.cached = min(drafter.cached, base + kept)
             self.pending = Draft()
@@ -504,12 +534,26 @@ class Generation:
                 self._finish("repetition")
                 break
         self.stats.tokens += len(ids)
+        if self.logprobs is not None:
+            self.logprobs.extend(entries[: len(ids)], pieces[: len(ids)])
         self._commit_points(len(ids))
         if self.finish_reason is None:
             if ended:
                 self._finish("eos")
             elif self.stats.tokens >= self.config.max_new_tokens or drafter.full:
                 self._finish("length")
+
+    def _entry(
+        self, draft: Draft, j: int, decided: dict[int, tuple[list[bytes], torch.Tensor, bytes]], covered: set[int]
+    ) -> TokenLogprob:
+        """The logprob entry of drafted token j: the ensemble's where it decided j, the drafter's otherwise."""
+        assert self.logprobs is not None
+        if j in decided:
+            strings, target, chosen = decided[j]
+            return self.logprobs.ensemble(draft.ids[j], strings, target, chosen)
+        if j in covered:
+            return self.logprobs.determined(draft.ids[j])
+        return self.logprobs.drafter(draft.ids[j], draft.drawn[j])
 
     def _finish(self, reason: str) -> bool:
         if reason != "stop" and self.buffer.append(b"", final=True):
@@ -549,7 +593,8 @@ class Generation:
     def result(self) -> GenerationResult:
         """The finished request's result (its content and tool calls are the reply's: `shaping.reply`)."""
         assert self.finish_reason is not None
-        return GenerationResult(self.text, self.finish_reason, self.stats, self.trace)
+        logprobs = None if self.logprobs is None else self.logprobs.spelling(self.text)
+        return GenerationResult(self.text, self.finish_reason, self.stats, self.trace, logprobs=logprobs)
 
     def visible_text(self) -> str:
         """Text that no later round can change: all of it once finished, else minus a possible stop prefix."""

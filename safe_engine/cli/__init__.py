@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import SafeEngineError
+from ..errors import ConfigError, SafeEngineError
 from ..runtime import demo_models
 from ..shaping.request import build_request
 from ..stats import GenerationResult
@@ -25,6 +25,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     inputs: dict = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     if args.system and args.chat:
         inputs["messages"].insert(0, {"role": "system", "content": args.system})
+    if args.logprobs is not None and not args.json:
+        raise ConfigError("--logprobs is reported in the JSON output only; add --json")
     request = build_request(**inputs, **request_options(args), **options(args))  # checked before the (slow) load
     ens = load(args)
     if args.stream and not args.json:
@@ -42,6 +44,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         reply: dict[str, Any] = {"text": result.text, "content": result.content, "finish_reason": result.finish_reason}
         if result.tool_calls is not None:
             reply.update(tool_calls=result.tool_calls, invalid_tool_calls=result.invalid_tool_calls)
+        if result.logprobs is not None:  # OpenAI's chat shape, each token with its source
+            reply["logprobs"] = {"content": [e.to_dict() for e in result.logprobs]}
         print(json.dumps({**reply, "stats": result.stats.to_dict()}, ensure_ascii=False))
     else:
         print(stats_line(result), file=sys.stderr)
@@ -60,6 +64,8 @@ def _write_trace(result: GenerationResult, path: str) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    if args.logprobs is not None:
+        raise ConfigError("the interactive chat prints text only; for --logprobs use `generate --json`")
     knobs = options(args)
     build_request(" ", **knobs)  # checked before the (slow) load
     ens = load(args)

@@ -22,7 +22,7 @@ from typing import cast
 from ..algorithm.decoding import Generation, run_round
 from ..errors import ConfigError, InputError
 from ..shaping.reply import Reply, StreamEvent
-from ..stats import GenerationResult
+from ..stats import GenerationResult, TokenLogprob
 from .memory import release_free_memory
 
 _EXIT_WAIT_S = 30.0  # at interpreter exit, how long the last (cancelled) round may take to end
@@ -39,6 +39,8 @@ class Ticket:
         self.generation = generation
         self.reply = Reply(generation.request)
         self._emitted = 0
+        self._emitted_bytes = 0  # UTF-8 bytes of the emitted text, and the logprob entries emitted with it
+        self._emitted_logprobs = 0
         self._loop = loop
         # read by `events` (a SimpleQueue, without a loop) or by `aevents` (an asyncio.Queue, with one)
         self._events: queue.SimpleQueue[StreamEvent] | asyncio.Queue[StreamEvent] = (
@@ -57,10 +59,23 @@ class Ticket:
         if gen.error is not None:
             self._put(StreamEvent("", error=gen.error))
         elif gen.finished:
-            self._put(self.reply.final(delta, gen.result()))
+            result = gen.result()
+            rest = None if result.logprobs is None else result.logprobs[self._emitted_logprobs :]
+            self._put(self.reply.final(delta, result, rest))
         elif delta:
-            self._put(self.reply.event(delta))
+            self._put(self.reply.event(delta, self._logprobs(delta)))
         return self.done
+
+    def _logprobs(self, delta: str) -> list[TokenLogprob] | None:
+        """The logprob entries of the tokens that end within the text emitted so far (a token cut inside a
+        character waits for the delta that completes the character)."""
+        logprobs = self.generation.logprobs
+        if logprobs is None:
+            return None
+        self._emitted_bytes += len(delta.encode("utf-8"))
+        entries = logprobs.upto(self._emitted_logprobs, self._emitted_bytes)
+        self._emitted_logprobs += len(entries)
+        return entries
 
     def _put(self, event: StreamEvent) -> None:
         if self._loop is None:

@@ -21,6 +21,7 @@ from ..config import GenerationConfig
 from ..errors import ConfigError, InputTypeError, ModelLoadError
 from . import demo_models
 from .packed import KVPool, packed_forward, supports_packing, use_packing
+from .penalties import penalize
 from .rows import LocalRow, Row
 from .vocab import Vocab, tokenizer_lock
 
@@ -125,6 +126,16 @@ class Member:
         out: list[list[Row]] = []
         for job, rows in zip(jobs, logits):
             config = job.scoring_config()
+            if job.history is not None:  # penalties / a logit bias: each row with the counts before it
+                rows = penalize(
+                    rows,
+                    job.history,
+                    job.prompt_len,
+                    config.frequency_penalty,
+                    config.presence_penalty,
+                    config.repetition_penalty,
+                    job.logit_bias,
+                )
             sampling = (config.do_sample, config.temperature, config.top_p)
             out.append([LocalRow(row, sampling) for row in rows])
         return out
@@ -161,6 +172,11 @@ class Job:
     ids: list[int]
     keep: int
     config: GenerationConfig | None  # the request's sampling settings (and, for Ray members, its top-k)
+    # With penalties or a logit bias: the track's ids (prompt + generated) up to the last fed id, the prompt's
+    # length, and the bias (the drafter's); None: the logits are used as they are (the default, at no cost).
+    history: tuple[int, ...] | None = None
+    prompt_len: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def scoring_config(self) -> GenerationConfig:
         """`config`, which every scored job carries (only `Member.forward`'s bare forward runs without one)."""
@@ -183,6 +199,7 @@ class Track:
         # A verifier's tokens of the generated text that no later text can change (alignment.Verification):
         self.frozen_ids = 0  # how many generated ids
         self.frozen_bytes = 0  # how many bytes of the generated text they spell
+        self.logit_bias: dict[int, float] | None = None  # the request's logit bias (set on the drafter's track)
 
     @property
     def full(self) -> bool:
@@ -197,7 +214,10 @@ class Track:
         last = len(self.ids) - 1
         rows_from = last if rows_from is None else max(0, min(rows_from, last))
         start = min(rows_from, self.cached)
-        return Job(self.cache, start, self.ids[start:], len(self.ids) - rows_from, config), rows_from
+        job = Job(self.cache, start, self.ids[start:], len(self.ids) - rows_from, config)
+        if config.penalized or self.logit_bias:
+            job.history, job.prompt_len, job.logit_bias = tuple(self.ids), self.prompt_len, self.logit_bias
+        return job, rows_from
 
     def done(self) -> None:
         self.cached = len(self.ids)

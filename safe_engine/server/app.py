@@ -38,7 +38,7 @@ from ..runtime.vocab import tokenizer_lock
 from ..shaping.reply import StreamEvent
 from ..shaping.request import Request as EngineRequest
 from ..shaping.request import build_request
-from ..stats import GenerationResult
+from ..stats import GenerationResult, chat_logprobs, completion_logprobs
 from . import openai_shapes as shapes
 from . import responses as rsp
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
@@ -354,6 +354,12 @@ def _check_model(state: ServerState, model: str | None) -> str:
     return name
 
 
+# OpenAI's (and vLLM's) fields that are engine options by the same name
+LOGPROBS_AND_PENALTIES = (
+    "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias"
+)  # fmt: skip
+
+
 def _engine_request(
     req: Any, state: ServerState, ens: Ensemble, limit_name: str | None = None, **inputs: Any
 ) -> EngineRequest:
@@ -361,7 +367,7 @@ def _engine_request(
     semantics, the SAFE knobs by their own names, the server's defaults underneath. `limit_name`: what the
     request calls its token limit, for the error when it is too large."""
     options = {k: v for k, v in inputs.items() if v is not None}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "stop"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "stop", *LOGPROBS_AND_PENALTIES):
         if getattr(req, name, None) is not None:
             options[name] = getattr(req, name)
     options.update(req.model_extra or {})  # the SAFE knobs (parse_request refused any other extra field)
@@ -765,8 +771,10 @@ async def _chat_events(
             )
         async for choice, event in _choice_events(batch, _stream_check(state)):
             i = choice.index
-            if event.content:
-                yield shapes.sse(shapes.chat_chunk(rid, name, created, {"content": event.content}, i=i))
+            logprobs = chat_logprobs(event.logprobs) if event.logprobs else None  # the delta's tokens'
+            if event.content or logprobs:
+                delta = {"content": event.content} if event.content else {}
+                yield shapes.sse(shapes.chat_chunk(rid, name, created, delta, i=i, logprobs=logprobs))
             result = event.result
             if result is None:
                 continue
@@ -794,10 +802,14 @@ async def _completion_events(
         if echo is not None:
             for choice in batch.choices:
                 yield shapes.sse(shapes.completion_chunk(rid, name, created, echo[choice.prompt_index], i=choice.index))
+        # characters of each choice's text so far (the logprobs' text_offset; an echoed prompt counts)
+        offsets = {c.index: len(echo[c.prompt_index]) if echo else 0 for c in batch.choices}
         async for choice, event in _choice_events(batch, _stream_check(state)):
             i, result = choice.index, event.result
-            if event.delta or result is None:
-                yield shapes.sse(shapes.completion_chunk(rid, name, created, event.delta, i=i))
+            if event.delta or result is None or event.logprobs:
+                logprobs = completion_logprobs(event.logprobs, offsets[i]) if event.logprobs is not None else None
+                yield shapes.sse(shapes.completion_chunk(rid, name, created, event.delta, i=i, logprobs=logprobs))
+                offsets[i] += len(event.delta)
             if result is None:
                 continue
             safe = shapes.safe_stats(result)

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from ..stats import GenerationResult
+from ..stats import GenerationResult, chat_logprobs, completion_logprobs
 
 # The engine's finish reasons in OpenAI's words: an EOS or a stop string both "stop".
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "repetition": "stop"}  # the raw one: "safe" extra
@@ -82,7 +82,8 @@ def chat_completion(
         if result.tool_calls:
             message["tool_calls"] = tool_calls(result)
             message["content"] = result.content or None
-        choice = {"index": index, "message": message, "finish_reason": finish_reason(result), "logprobs": None}
+        logprobs = None if result.logprobs is None else chat_logprobs(result.logprobs)
+        choice = {"index": index, "message": message, "finish_reason": finish_reason(result), "logprobs": logprobs}
         choices.append({**choice, "safe": safe_stats(result)})
     return {
         "id": request_id,
@@ -102,13 +103,14 @@ def chat_chunk(
     delta: dict[str, Any] | None = None,
     finish: str | None = None,
     i: int = 0,
+    logprobs: dict[str, Any] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """A chat.completion.chunk of choice `i`; `delta=None` with `extra` usage makes the usage-only chunk (no
-    choices)."""
+    choices); `logprobs`: those of the tokens of this chunk's content."""
     chunk: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
     chunk["choices"] = (
-        [] if delta is None else [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        [] if delta is None else [{"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     )
     chunk.update(extra)
     return chunk
@@ -124,7 +126,14 @@ def text_completion(
 ) -> dict:
     """A text_completion with one choice per result (`texts`: each choice's text, echoed prompt included)."""
     choices = [
-        {"index": i, "text": text, "finish_reason": finish_reason(r), "logprobs": None, "safe": safe_stats(r)}
+        {
+            "index": i,
+            "text": text,
+            "finish_reason": finish_reason(r),
+            # an echoed prompt comes first: the tokens' text_offset counts it
+            "logprobs": None if r.logprobs is None else completion_logprobs(r.logprobs, len(text) - len(r.text)),
+            "safe": safe_stats(r),
+        }
         for i, (r, text) in enumerate(zip(results, texts))
     ]
     return {
@@ -145,11 +154,14 @@ def completion_chunk(
     text: str | None,
     finish: str | None = None,
     i: int = 0,
+    logprobs: dict[str, Any] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """A streamed text_completion of choice `i`; `text=None` makes the usage-only chunk (no choices)."""
+    """A streamed text_completion of choice `i`; `text=None` makes the usage-only chunk (no choices);
+    `logprobs`: those of this chunk's tokens (OpenAI's legacy shape)."""
     chunk: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-    chunk["choices"] = [] if text is None else [{"index": i, "text": text, "finish_reason": finish, "logprobs": None}]
+    choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
+    chunk["choices"] = [] if text is None else [choice]
     chunk.update(extra)
     return chunk
 

@@ -1,9 +1,9 @@
 """OpenAI request bodies, validated strictly: a field the server cannot honour is a 400 that names it.
 
-Why strict: an OpenAI client that sends `n=3` or `logprobs=true` to a server that silently ignores them
-gets an answer to a question it did not ask. So every field of OpenAI's chat and completions APIs is
+Why strict: an OpenAI client that sends `best_of=3` or `suffix="..."` to a server that silently ignores
+them gets an answer to a question it did not ask. So every field of OpenAI's chat and completions APIs is
 either mapped onto the engine, accepted because it cannot change the output (`user`, `metadata`, ...), or
-accepted only at its neutral value (`best_of=1`, `logprobs=false`, `presence_penalty=0`, ...). Unknown fields
+accepted only at its neutral value (`best_of=1`, `modalities=["text"]`, ...). Unknown fields
 are refused too, except the SAFE knobs (`method`, `aggregation`, ...), which clients send as extra body
 fields (`extra_body=` in the openai SDK, LangChain and LlamaIndex).
 """
@@ -23,9 +23,9 @@ MAX_CHOICES = 64
 
 # GenerationConfig fields a request may set by their own name (extra body fields); the others have OpenAI
 # names (max_tokens, stop, temperature, top_p, seed).
-SAFE_KNOBS = tuple(
-    f.name for f in fields(GenerationConfig) if f.name not in ("max_new_tokens", "stop", "temperature", "top_p", "seed")
-)
+_OPENAI_NAMED: tuple[str, ...] = ("max_new_tokens", "stop", "temperature", "top_p", "seed", "logprobs")
+_OPENAI_NAMED += ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")  # fields below
+SAFE_KNOBS = tuple(f.name for f in fields(GenerationConfig) if f.name not in _OPENAI_NAMED)
 
 # Fields that only label or route a request, with no effect on what is generated: accepted, not used.
 BOOKKEEPING = ("user", "metadata", "safety_identifier", "prompt_cache_key")
@@ -35,12 +35,6 @@ BOOKKEEPING = ("user", "metadata", "safety_identifier", "prompt_cache_key")
 _TEXT_FORMAT = {"type": "text"}
 UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "choosing the best of several needs one score per choice; use n and choose yourself"),
-    "logprobs": ((None, False), "the ensemble has no single distribution per token to report"),
-    "top_logprobs": ((None, 0), "the ensemble has no single distribution per token to report"),
-    "presence_penalty": ((None, 0), "penalties are not implemented; leave it at 0"),
-    "frequency_penalty": ((None, 0), "penalties are not implemented; leave it at 0"),
-    "repetition_penalty": ((None, 1), "penalties are not implemented; leave it at 1"),
-    "logit_bias": ((None, {}), "logit biases are not implemented"),
     "functions": ((None,), "the deprecated functions API is not supported; use tools"),
     "function_call": ((None,), "the deprecated functions API is not supported; use tool_choice"),
     "audio": ((None,), "the members are text-only"),
@@ -141,14 +135,14 @@ class _Request(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # choices, each decoded as one request
+    # penalties, per member in its own tokens; logit_bias in the drafter's token ids (ranges: the engine's, a
+    # 400 naming the field); repetition_penalty is vLLM's extra field
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     # unsupported unless neutral (see UNSUPPORTED)
     best_of: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
     service_tier: Any = None
     store: Any = None
 
@@ -162,6 +156,8 @@ class _Request(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool | None = None  # OpenAI's chat form: True, with top_logprobs alternatives (0-20)
+    top_logprobs: int | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -183,6 +179,7 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     # a string, several strings, or token ids (one prompt's, or several) in the drafter's vocabulary
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # the legacy form: k alternatives (0-20)
     echo: bool | None = None
     suffix: Any = None
 

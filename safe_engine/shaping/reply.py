@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..stats import GenerationResult
+from ..stats import GenerationResult, TokenLogprob
 from .request import Request
 from .tools import ToolCallHoldback
 
@@ -29,6 +29,7 @@ class StreamEvent:
     result: GenerationResult | None = None
     content: str = ""
     error: BaseException | None = None
+    logprobs: list[TokenLogprob] | None = None  # with logprobs=k: the entries of the tokens that spell `delta`
 
 
 class Reply:
@@ -38,23 +39,23 @@ class Reply:
         self.request = request
         self._holdback = ToolCallHoldback(request.tools, request.tool_choice) if request.reads_tool_calls else None
 
-    def event(self, delta: str) -> StreamEvent:
+    def event(self, delta: str, logprobs: list[TokenLogprob] | None = None) -> StreamEvent:
         """The event for text verified in a round that did not finish the request."""
-        return StreamEvent(delta, content=self._feed(delta))
+        return StreamEvent(delta, content=self._feed(delta), logprobs=logprobs)
 
-    def final(self, delta: str, result: GenerationResult) -> StreamEvent:
+    def final(self, delta: str, result: GenerationResult, logprobs: list[TokenLogprob] | None = None) -> StreamEvent:
         """The last event: the remaining content, and the result with its content and tool calls."""
         content = self._feed(delta)
         if self._holdback is None:
             result.content = result.text
-            return StreamEvent(delta, result, content)
+            return StreamEvent(delta, result, content, logprobs=logprobs)
         content += self._holdback.flush()
         parsed = self._holdback.parsed
         assert parsed is not None
         if not self.request.parallel_tool_calls:
             parsed = parsed.first_call_only()
         result.content, result.tool_calls, result.invalid_tool_calls = parsed.content, parsed.tool_calls, parsed.invalid
-        return StreamEvent(delta, result, content)
+        return StreamEvent(delta, result, content, logprobs=logprobs)
 
     def _feed(self, delta: str) -> str:
         return self._holdback.feed(delta) if self._holdback is not None else delta

@@ -12,6 +12,8 @@ semantics lives here:
 | `timeout_s`, `timeout` | wall-clock limit of the generation in seconds (`GenerationTimeout`) |
 | `stop` | a string or a list of strings; matched across tokens, never emitted |
 | `top_p`, `seed` | nucleus threshold and sampling seed (used when sampling) |
+| `logprobs` | an int k: each token's logprob and k alternatives; True (+ `top_logprobs=k`): OpenAI's chat form |
+| penalties, `logit_bias` | per member, in its own tokens; `logit_bias` in the drafter's token ids |
 | anything else | a `GenerationConfig` field by its own name, or a `ConfigError` naming the unknown option |
 """
 
@@ -23,7 +25,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, cast
 
-from ..config import GenerationConfig
+from ..config import MAX_TOP_LOGPROBS, GenerationConfig
 from ..errors import ConfigError, InputError, InputTypeError, SafeEngineError
 from ..runtime.members import Member
 from .chat import chat_prompt_ids, check_text, validate_messages
@@ -192,6 +194,7 @@ def _config(base: GenerationConfig | None, options: dict[str, Any]) -> Generatio
     if base is not None and not isinstance(base, GenerationConfig):
         raise InputTypeError(f"config must be a GenerationConfig, got {type(base).__name__}")
     base = base or GenerationConfig()
+    options = _logprobs(options)
     values: dict[str, Any] = {}
     spelled: dict[str, str] = {}  # field -> the name the caller used (for messages)
     for name, value in options.items():
@@ -226,6 +229,29 @@ def _config(base: GenerationConfig | None, options: dict[str, Any]) -> Generatio
         return base.updated(**values)
     except (ConfigError, InputTypeError) as err:
         raise type(err)(str(err), option=next(iter(spelled.values()), None)) from None
+
+
+def _logprobs(options: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's chat form (`logprobs=True`, `top_logprobs=k`) as the engine's `logprobs=k`; an int passes."""
+    options = dict(options)
+    top = options.pop("top_logprobs", None)
+    flag = options.get("logprobs")
+    if top is not None:
+        if flag is not True:
+            raise ConfigError(
+                f"top_logprobs={top!r} needs logprobs=True (OpenAI's chat form); or pass logprobs=k alone",
+                option="top_logprobs",
+            )
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ConfigError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}", option="top_logprobs"
+            )
+        options["logprobs"] = top
+    elif flag is True:
+        options["logprobs"] = 0
+    elif flag is False:
+        options["logprobs"] = None
+    return options
 
 
 def _response_format(json_schema: Any, response_format: Any) -> tuple[str, dict[str, Any] | None]:

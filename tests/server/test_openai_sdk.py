@@ -147,7 +147,7 @@ def test_completions_sync_and_streaming(client, served):
 def test_unsupported_fields_are_named(client):
     for kwargs, param in [
         ({"n": 100}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 30}, "top_logprobs"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"extra_body": {"sharpenning": "heuristic"}}, "sharpenning"),
     ]:

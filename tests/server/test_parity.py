@@ -86,9 +86,14 @@ CASES: dict[str, dict[str, Any]] = {
     "one call at most": {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 80},
     "json_schema": {"response_format": JSON_SCHEMA, "max_tokens": 60},
     "json mode": {"response_format": {"type": "json_object"}},
+    # negative penalties and a repetition penalty below 1 encourage repeats, which random models otherwise avoid
+    "frequency and presence penalties": {"frequency_penalty": -2.0, "presence_penalty": -2.0},
+    "repetition penalty": {"repetition_penalty": 0.3},  # vLLM's extra field over HTTP
+    "logit_bias": {"logit_bias": {"15": 100}},  # the drafter's (Qwen's) "0"
+    "logit_bias bars tokens": {"logit_bias": {"15": -100, "16": -100}},
 }
 OPENAI_FIELDS = {"max_tokens", "temperature", "top_p", "seed", "stop", "tools", "tool_choice", "parallel_tool_calls"}
-OPENAI_FIELDS |= {"response_format"}
+OPENAI_FIELDS |= {"response_format", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs"}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "repetition": "stop"}
 
 Reply = tuple[str, list[tuple[str, dict]], str]  # content, tool calls (name, arguments), OpenAI finish reason
@@ -242,6 +247,102 @@ def test_the_matrix_checks_what_it_claims(expected):
     assert expected["max tokens"][2] == "length" and expected["greedy"] == expected["temperature 0 is greedy"]
     assert expected["seeded sampling"] != expected["greedy"]
     assert "e" not in expected["stop"][0]
+    for case in ("frequency and presence penalties", "repetition penalty", "logit_bias"):
+        assert expected[case] != expected["greedy"], case
+    assert expected["logit_bias"][0].startswith("0")
+
+
+# -- logprobs: every door reports the engine's, in its framework's shape ------------------------------------------
+LOGPROBS = {"logprobs": True, "top_logprobs": 3}
+Entries = list[tuple[str, float, list[str]]]  # token, logprob, the alternatives' tokens
+
+
+def _close(got: Entries, want: Entries) -> bool:
+    """Same tokens and alternatives, logprobs within 1e-4 (two forwards of one text differ in the last bits)."""
+    return len(got) == len(want) and all(
+        g[0] == w[0] and g[2] == w[2] and abs(g[1] - w[1]) < 1e-4 for g, w in zip(got, want)
+    )
+
+
+def _from_chat(content: list[dict]) -> Entries:
+    return [(e["token"], e["logprob"], [t["token"] for t in e["top_logprobs"]]) for e in content]
+
+
+def _logprob_doors(served, kwargs: dict[str, Any]) -> dict[str, Entries]:
+    out: dict[str, Entries] = {}
+    stream = served.ens.stream(messages=CHAT, **kwargs)
+    out["engine stream"] = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for ev in stream.events()
+                            for e in ev.logprobs or []]  # fmt: skip
+    out["ChatSafe"] = _from_chat(
+        ChatSafe(ensemble=served.ens).invoke(LC_CHAT, **kwargs).response_metadata["logprobs"]["content"]
+    )
+    chunks = list(ChatSafe(ensemble=served.ens).stream(LC_CHAT, **kwargs))
+    out["ChatSafe stream"] = _from_chat(sum(chunks[1:], chunks[0]).response_metadata["logprobs"]["content"])
+    messages = [ChatMessage(role=m["role"], content=m["content"]) for m in CHAT]
+    index = IndexLLM(ensemble=served.ens).chat(messages, **kwargs)
+    out["LlamaIndex"] = [("", 0.0, [a.token for a in alts]) for alts in index.logprobs]  # the alternatives only
+    res = _client(served).chat.completions.create(model=MODEL, messages=CHAT, **_openai(kwargs))
+    out["openai SDK"] = _from_chat([e.model_dump() for e in res.choices[0].logprobs.content])
+    assert all(e.model_extra["source"] in ("drafter", "ensemble") for e in res.choices[0].logprobs.content)
+    chunks = _client(served).chat.completions.create(model=MODEL, messages=CHAT, stream=True, **_openai(kwargs))
+    streamed = [
+        e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    out["openai SDK stream"] = _from_chat(streamed)
+    llm = ChatOpenAI(model=MODEL, base_url=served.v1, api_key=KEY, max_retries=0, timeout=120)
+    out["ChatOpenAI"] = _from_chat(llm.invoke(LC_CHAT, **_openai(kwargs)).response_metadata["logprobs"]["content"])
+    return out
+
+
+@pytest.mark.parametrize("case", ["greedy", "seeded sampling", "method every_token", "repetition penalty"])
+def test_every_door_gives_the_engines_logprobs(served, case):
+    kwargs = {**_request(case), **LOGPROBS}
+    result = served.ens.generate(messages=CHAT, **kwargs)
+    want = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in result.logprobs or []]
+    assert want and b"".join(bytes(e.bytes) for e in result.logprobs or []).decode(errors="replace") == result.text
+    if case == "method every_token":
+        assert {e.source for e in result.logprobs or []} == {"ensemble"}
+    for door, got in _logprob_doors(served, kwargs).items():
+        if door == "LlamaIndex":  # LlamaIndex's LogProb lists hold each token's alternatives
+            got = [(w[0], w[1], g[2]) for g, w in zip(got, want)] if len(got) == len(want) else got
+        assert _close(got, want), f"{door}: {case}"
+    served.wait_idle()
+
+
+def test_the_cli_reports_the_engines_logprobs(served, model_dirs):
+    kwargs = {**_request("greedy"), "logprobs": 3}
+    result = served.ens.generate(messages=CHAT, **kwargs)
+    argv = [sys.executable, "-m", "safe_engine", "generate", "--chat", "--json", "--system", SYSTEM]
+    for path in model_dirs:
+        argv += ["-m", path]
+    argv += ["--max-new-tokens", str(N), "--logprobs", "3", QUESTION]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = _from_chat(json.loads(proc.stdout)["logprobs"]["content"])
+    assert _close(got, [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in result.logprobs or []])
+
+
+def test_every_completion_door_gives_the_engines_logprobs(served):
+    result = served.ens.generate(PROMPT, max_new_tokens=N, logprobs=2, frequency_penalty=0.5)
+    want = [(e.token, e.logprob) for e in result.logprobs or []]
+    client = _client(served)
+    res = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, logprobs=2, frequency_penalty=0.5)
+    legacy = res.choices[0].logprobs
+    got = list(zip(legacy.tokens, legacy.token_logprobs))
+    assert len(got) == len(want) and all(g[0] == w[0] and abs(g[1] - w[1]) < 1e-4 for g, w in zip(got, want))
+    assert all(len(top) <= 3 and legacy.tokens[i] in top for i, top in enumerate(legacy.top_logprobs))
+    assert legacy.text_offset[0] == 0 and legacy.text_offset == sorted(legacy.text_offset)
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=N, logprobs=2, frequency_penalty=0.5,
+                                       stream=True)  # fmt: skip
+    tokens, offsets = [], []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert tokens == legacy.tokens and offsets == legacy.text_offset
+    langchain = LangChainLLM(ensemble=served.ens, logprobs=2, frequency_penalty=0.5, max_tokens=N)
+    info = langchain.generate([PROMPT]).generations[0][0].generation_info
+    assert info["logprobs"]["tokens"] == legacy.tokens and info["logprobs"]["text_offset"] == legacy.text_offset
 
 
 # -- completions: SafeLLM, LlamaIndex complete, /v1/completions, the CLI --------------------------------------------

@@ -47,6 +47,17 @@ def test_generate_writes_the_trace_as_json_lines(model_dirs, capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["stats"]["gates"] == ["boundary"]
 
 
+def test_generate_json_reports_logprobs_and_takes_penalties_and_a_logit_bias(model_dirs, capsys):
+    base = ["generate", "-m", model_dirs[0], "-m", model_dirs[1], "--max-new-tokens", "8", "--json"]
+    assert main([*base, "--logprobs", "2", "--repetition-penalty", "1.3", "--frequency-penalty", "0.5", "Hi"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    content = result["logprobs"]["content"]
+    assert "".join(bytes(e["bytes"]).decode("utf-8", errors="replace") for e in content) == result["text"]
+    assert all(e["source"] in ("drafter", "ensemble") and len(e["top_logprobs"]) <= 2 for e in content)
+    assert main([*base, "--logit-bias", '{"100": -100}', "Hi"]) == 0
+    assert "logprobs" not in json.loads(capsys.readouterr().out)
+
+
 def test_generate_stream_prints_text_and_stats(model_dirs, capsys):
     rc = main(["generate", "-m", model_dirs[0], "-m", model_dirs[1], "--max-new-tokens", "6", "--stream", "Hi"])
     captured = capsys.readouterr()
@@ -61,6 +72,10 @@ def test_generate_stream_prints_text_and_stats(model_dirs, capsys):
         (["generate", "-m", "{0}", "--method", "fastest", "hi"], "unknown method"),
         (["generate", "-m", "{0}", "-m", "{1}", "--chat", "hi"], "no chat template"),
         (["generate", "-m", "{0}", "--max-new-tokens", "0", "hi"], "max_new_tokens"),
+        (["generate", "-m", "{0}", "--logprobs", "2", "hi"], "--logprobs is reported in the JSON output only"),
+        (["generate", "-m", "{0}", "--json", "--logprobs", "30", "hi"], "logprobs must be in [0, 20]"),
+        (["generate", "-m", "{0}", "--json", "--presence-penalty", "3", "hi"], "presence_penalty must be"),
+        (["generate", "-m", "{0}", "--json", "--logit-bias", '{{"a": 1}}', "hi"], "logit_bias keys must be token ids"),
     ],
 )
 def test_user_errors_are_one_line_without_traceback(model_dirs, capsys, argv, message):

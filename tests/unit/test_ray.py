@@ -201,6 +201,25 @@ def test_gac_with_remote_members_fails_before_decoding(remote, local):
     assert remote.generate(PROMPT, max_new_tokens=5, aggregation="gac", method="single").stats.tokens == 5
 
 
+def test_logprobs_of_remote_members_equal_the_local_ones_and_penalties_are_refused(remote, local):
+    want = local.generate(PROMPT, max_new_tokens=8, logprobs=3)
+    got = remote.generate(PROMPT, max_new_tokens=8, logprobs=3)
+    assert got.text == want.text and len(got.logprobs) == len(want.logprobs)
+    for g, w in zip(got.logprobs, want.logprobs):
+        assert (g.token, g.source, [t.token for t in g.top_logprobs]) == (
+            w.token,
+            w.source,
+            [t.token for t in w.top_logprobs],
+        )
+        assert abs(g.logprob - w.logprob) < 1e-4
+    calls = sum(m.traffic.calls for m in remote.members)
+    with pytest.raises(ConfigError, match="Ray actor"):
+        remote.generate(PROMPT, max_new_tokens=5, repetition_penalty=1.2)
+    with pytest.raises(ConfigError, match="logit_bias"):
+        remote.generate(PROMPT, max_new_tokens=5, logit_bias={5: 1})
+    assert sum(m.traffic.calls for m in remote.members) == calls  # refused before anything was sent
+
+
 def test_only_small_payloads_cross_the_wire(remote):
     for m in remote.members:
         m.traffic.reset()
