@@ -9,8 +9,14 @@ it), the clients are one asyncio loop of httpx; the in-process path runs after t
 the two never compete for the CPU. Each path gets one warm-up request first. Whether every server reply
 equals the in-process reply to the same request is checked too (greedy decoding is deterministic).
 
+With `--variants`, the same server then also serves what some clients ask for, side by side in that run
+(each pair measured twice in alternating order, medians reported): 4 clients with one choice each against
+one client asking for `n=4` (the same number of choices), and 4 clients without and with `logprobs`
+(`top_logprobs=5`): the cost of reporting each token's distribution.
+
 python benchmarks/server_load.py                               # demo models, 48 tokens, 1/4/16 clients
 python benchmarks/server_load.py --tokens 24 --concurrency 1 4 --out benchmarks/results/server_load.json
+python benchmarks/server_load.py --concurrency 4 --variants --out benchmarks/results/server_load_variants.json
 """
 
 from __future__ import annotations
@@ -70,8 +76,8 @@ def start_server(models: list[str], max_batch_size: int, tokens: int, threads: i
     raise SystemExit(f"the server exited before it was ready (status {proc.wait()})")
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, tokens: int) -> dict:
-    body = {"model": model, "messages": question(i), "max_tokens": tokens, "stream": True}
+async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, tokens: int, **fields) -> dict:
+    body = {"model": model, "messages": question(i), "max_tokens": tokens, "stream": True, **fields}
     body["stream_options"] = {"include_usage": True}
     started = time.perf_counter()
     first, text, used = None, "", 0
@@ -83,22 +89,22 @@ async def one_stream(client: httpx.AsyncClient, url: str, model: str, i: int, to
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"])
-            if chunk["choices"]:
-                delta = chunk["choices"][0]["delta"].get("content") or ""
+            for choice in chunk["choices"]:  # several with n > 1: the first choice's text is kept
+                delta = choice["delta"].get("content") or ""
                 if delta and first is None:
                     first = time.perf_counter() - started
-                text += delta
-            elif chunk.get("usage"):
+                text += delta if choice["index"] == 0 else ""
+            if not chunk["choices"] and chunk.get("usage"):
                 used = chunk["usage"]["completion_tokens"]
     total = time.perf_counter() - started
     return {"first_token_s": first if first is not None else total, "total_s": total, "tokens": used, "text": text}
 
 
-async def server_level(url: str, model: str, c: int, tokens: int) -> tuple[dict, list[str]]:
+async def server_level(url: str, model: str, c: int, tokens: int, **fields) -> tuple[dict, list[str]]:
     headers = {"Authorization": f"Bearer {KEY}"}
     async with httpx.AsyncClient(headers=headers, timeout=3600, limits=httpx.Limits(max_connections=64)) as client:
         started = time.perf_counter()
-        runs = await asyncio.gather(*(one_stream(client, url, model, i, tokens) for i in range(c)))
+        runs = await asyncio.gather(*(one_stream(client, url, model, i, tokens, **fields) for i in range(c)))
         wall = time.perf_counter() - started
     return summary(runs, wall), [r["text"] for r in runs]
 
@@ -114,10 +120,45 @@ def run_server(args: argparse.Namespace) -> tuple[dict, dict[int, list[str]]]:
         for c in args.concurrency:
             results[str(c)], texts[c] = asyncio.run(server_level(url, model, c, args.tokens))
             print(f"server, {c} clients: {json.dumps(results[str(c)])}", file=sys.stderr)
+        if args.variants:
+            results["variants"] = run_variants(url, model, args.tokens)
         return results, texts
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
+
+
+VARIANTS = {  # name -> (clients, extra request fields)
+    "4 clients, n=1": (4, {}),
+    "1 client, n=4": (1, {"n": 4}),
+    "4 clients, logprobs off": (4, {}),
+    "4 clients, logprobs on (top 5)": (4, {"logprobs": True, "top_logprobs": 5}),
+}
+
+
+def run_variants(url: str, model: str, tokens: int) -> dict:
+    """Each pair of `VARIANTS` side by side on one server, twice in alternating order; medians and ratios."""
+    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    names = list(VARIANTS)
+    for first, second in zip(names[::2], names[1::2]):
+        for order in ((first, second), (second, first)):
+            for name in order:
+                clients, fields = VARIANTS[name]
+                result, _ = asyncio.run(server_level(url, model, clients, tokens, **fields))
+                runs[name].append(result)
+                print(f"server, {name}: {json.dumps(result)}", file=sys.stderr)
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[name])
+
+    out: dict = {name: {"throughput_tok_s": median(name, "throughput_tok_s"), "runs": runs[name]} for name in runs}
+    out["n=4 over 4 clients (throughput)"] = round(
+        median(names[1], "throughput_tok_s") / median(names[0], "throughput_tok_s"), 3
+    )
+    out["logprobs on over off (throughput)"] = round(
+        median(names[3], "throughput_tok_s") / median(names[2], "throughput_tok_s"), 3
+    )
+    return out
 
 
 # -- in process ------------------------------------------------------------------------------------------------
@@ -174,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--max-batch-size", type=int, default=16, help="the server's and the engine's (default 16)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    p.add_argument("--variants", action="store_true", help="also n=4 vs 4 clients and logprobs on vs off")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
 
@@ -188,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "server": server,
         "in_process": inprocess,
-        "server_over_in_process": {
+        "server_over_in_process": {  # the levels both paths ran (not the server's variants)
             str(c): {
                 "first_token": round(
                     server[str(c)]["first_token_s"]["median"] / inprocess[str(c)]["first_token_s"]["median"], 3

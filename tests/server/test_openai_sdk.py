@@ -66,9 +66,12 @@ def test_chat_equals_the_engine(client, served):
     assert res.usage.prompt_tokens == expected.stats.prompt_tokens[drafter(served.ens)]
     assert res.usage.total_tokens == res.usage.prompt_tokens + res.usage.completion_tokens
     safe = res.model_extra["safe"]
-    for field in ("tokens", "ensembled_tokens", "rounds", "forward_passes", "method"):
+    for field in ("tokens", "ensembled_tokens", "method"):
         assert safe[field] == getattr(expected.stats, field), field
     assert safe["ensemble_rate"] == pytest.approx(expected.stats.ensemble_rate)
+    # rounds and forward passes depend on the schedule, which schedule="auto" picks per round from timings
+    # (overlap drafts one token a round): the same text either way, their counts not
+    assert safe["rounds"] >= 1 and set(safe["forward_passes"]) == set(expected.stats.forward_passes)
 
 
 def test_server_defaults_apply_when_the_request_has_none(client, served):
