@@ -31,6 +31,7 @@ STUDY = HERE / "results" / "accuracy"
 sys.path.insert(0, str(STUDY))
 
 from accuracy import MAX_NEW_TOKENS, load_problems, member  # noqa: E402
+from loops import looping, records  # noqa: E402
 from summarize import loops  # noqa: E402
 
 TASKS = ("mmlu-redux", "arc", "gsm8k")
@@ -39,17 +40,8 @@ DRAFTER = "qwen2.5-coder-0.5b"
 
 
 def study(task: str) -> dict[str, dict[str, dict[str, Any]]]:
-    """row -> problem id -> the study's record (the task's JSONL and its part files, last record wins)."""
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for path in [STUDY / f"{task}.jsonl", *sorted(STUDY.glob(f"{task}.*.jsonl"))]:
-        for line in path.read_text(encoding="utf-8").splitlines():
-            r = json.loads(line)
-            out.setdefault(r["config"], {})[r["problem_id"]] = r
-    return out
-
-
-def looping(r: dict[str, Any]) -> bool:
-    return r.get("finish_reason") == "length" and loops(str(r["text"]))
+    """row -> problem id -> the study's record."""
+    return records(STUDY, task)
 
 
 def replay(args: argparse.Namespace) -> None:
