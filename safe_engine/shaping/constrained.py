@@ -235,9 +235,16 @@ def schema_dict(schema: Any) -> dict[str, Any]:
 
 
 def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool's arguments schema as the grammar enforces it: an object of its declared parameters only
+    (`additionalProperties: false` unless the schema says otherwise, as OpenAI's strict function calling
+    does). Why: a function takes the parameters it declares; JSON schema's default would let a model pass
+    anything, and small models do (a tool without parameters got its own schema, {"type": "object",
+    "properties": {}}, as arguments)."""
     function = tool.get("function", tool)
-    parameters = function.get("parameters") or {"type": "object"}
-    return schema_dict(parameters)
+    parameters = schema_dict(function.get("parameters") or {"type": "object"})
+    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
+        parameters["additionalProperties"] = False
+    return parameters
 
 
 def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:

@@ -383,6 +383,8 @@ def test_tool_choice_auto_required_and_named(name):
         ("text <tool_call> more text", False),  # once the tag is written, a call must follow
         ('<tool_call>\n{"name": "multiply", "arguments": {}}\n</tool_call>', False),
         ('<tool_call>\n{"name": "add", "arguments": {"a": "1", "b": 2}}\n</tool_call>', False),
+        # only declared parameters (a function takes what it declares; the schema did not say otherwise)
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}\n</tool_call>', False),
         (f"{call} and some text after", False),
     ]:
         assert auto.allows_text(text.encode()) == ok, text
