@@ -108,9 +108,14 @@ def test_a_script_ending_mid_stream_exits_cleanly_with_nothing_decoding(exit):
     root = Path(__file__).resolve().parents[2]
     script = textwrap.dedent(EXITS_MID_STREAM).format(exit=exit)
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == {"pass": 0, "sys.exit(3)": 3, "raise KeyboardInterrupt": -signal.SIGINT}[exit], (
-        proc.stderr
-    )
+    # An unhandled KeyboardInterrupt ends CPython by SIGINT, or with status 1 where code run during finalization
+    # resets its "unhandled interrupt" flag (seen here with `import safe_engine` alone, 2026-12-04; the cause is
+    # not safe_engine's at-exit hook, which runs before). Either is a clean exit by the interrupt: never an
+    # abort (SIGABRT), a hang, or a request still decoding (checked below).
+    expected = {"pass": (0,), "sys.exit(3)": (3,), "raise KeyboardInterrupt": (-signal.SIGINT, 1)}[exit]
+    assert proc.returncode in expected, proc.stderr
+    if exit == "raise KeyboardInterrupt":
+        assert proc.stderr.rstrip().endswith("KeyboardInterrupt"), proc.stderr
     assert "first delta True" in proc.stdout
     assert "at exit: open 0 workers 0" in proc.stdout, proc.stdout + proc.stderr
 

