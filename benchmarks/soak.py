@@ -104,17 +104,9 @@ def proc_status(pid: int) -> dict[str, float]:
 def tiny_model_dirs(root: Path) -> list[str]:
     """The tiny random members of the server tests (two tokenizer families), saved where `-m` can load them."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.conftest import tiny_member
-    from tests.server.conftest import FAMILIES
+    from tests.server.conftest import save_tiny_members
 
-    dirs = []
-    for name, seed in FAMILIES:
-        member = tiny_member(name, seed)
-        path = root / f"{name}-{seed}"
-        member.model.save_pretrained(path)
-        member.tokenizer.save_pretrained(path)
-        dirs.append(str(path))
-    return dirs
+    return save_tiny_members(root)
 
 
 def start_server(models: list[str], args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

@@ -11,6 +11,7 @@ import gc
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -40,7 +41,12 @@ def _one_torch_thread() -> Iterator[None]:
 @pytest.fixture(scope="package")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """The tiny members saved as Hugging Face directories (what a user passes to `-m`)."""
-    root = tmp_path_factory.mktemp("tiny-models")
+    return save_tiny_members(tmp_path_factory.mktemp("tiny-models"))
+
+
+def save_tiny_members(root: Path) -> list[str]:
+    """Save each of FAMILIES' tiny members under `root` as a Hugging Face directory; their paths, in order
+    (also benchmarks/soak.py's models)."""
     dirs = []
     for name, seed in FAMILIES:
         member = tiny_member(name, seed)
