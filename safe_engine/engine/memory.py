@@ -2,9 +2,9 @@
 
 Why: each request allocates tensors of its own sizes (logits rows, packed inputs, KV caches) from several
 threads (the scheduler's, the member forwards', the server's tokenizing workers). glibc's malloc keeps what
-they free in per-thread arenas for reuse, so a long-running process (a server) grows wave after wave
-although no live object remains. `malloc_trim(0)` returns the free pages of every arena; the scheduler
-calls it when its last request is over, off the request path (benchmarks/soak.py measures it).
+they free in its arenas for reuse. `malloc_trim(0)` returns the free pages of every arena; the scheduler
+calls it when its last request is over, off the request path. On the soak's tiny models it keeps a server
+~130 MB smaller (benchmarks/soak.py; docs/serve.md, "Memory over weeks", also has what made servers grow).
 Set SAFE_ENGINE_TRIM_IDLE=0 to turn it off (to compare, or under another allocator such as jemalloc).
 """
 

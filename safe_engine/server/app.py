@@ -529,6 +529,18 @@ def _request_errors() -> Iterator[None]:
         raise engine_error(err) from None
 
 
+def _anext_result(done: asyncio.Future[StreamEvent]) -> StreamEvent | None:
+    """A finished `anext` future's event, or None when the stream has ended.
+
+    Why not `try: done.result() except StopAsyncIteration`: raised here, the exception's traceback takes in
+    the caller's frame, which holds the future, which holds the exception. That cycle kept every finished
+    request's objects (its stream, its connection) until the garbage collector's rare full pass.
+    """
+    if isinstance(done.exception(), StopAsyncIteration):
+        return None
+    return done.result()
+
+
 async def _events(stream: AsyncTextStream, check: Check, tick: float = 0.25) -> AsyncGenerator[StreamEvent, None]:
     """The engine stream's events; `check` runs every `tick` seconds whether events come or not, and a
     reason from it ends the request. However this ends, the request is cancelled and its caches freed."""
@@ -548,11 +560,9 @@ async def _events(stream: AsyncTextStream, check: Check, tick: float = 0.25) -> 
                         raise Interrupted(reason)
                 if not done:
                     continue
-                try:
-                    event = pending.result()
-                except StopAsyncIteration:
+                event, pending = _anext_result(pending), None
+                if event is None:
                     return
-                pending = None
                 yield event
     finally:
         if pending is not None and not pending.done():
@@ -676,9 +686,8 @@ async def _choice_events(batch: _Batch, check: Check) -> AsyncIterator[tuple[_Ch
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in sorted(done, key=lambda t: pending[t].index):
                 choice = pending.pop(task)
-                try:
-                    event = task.result()
-                except StopAsyncIteration:
+                event = _anext_result(task)
+                if event is None:
                     continue
                 if choice.first_token is None and (event.delta or event.result is not None):
                     choice.first_token = time.monotonic()

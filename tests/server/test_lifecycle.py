@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import httpx
@@ -329,3 +331,25 @@ def test_a_client_leaving_while_sending_its_body_is_not_a_server_error(served):
         logging.getLogger("uvicorn.error").removeHandler(handler)
     assert errors == []
     assert served.wait_idle()["open_requests"] == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_finished_request_is_freed_without_the_garbage_collector(served, monkeypatch, stream):
+    """The soak's growth: a reference cycle (a StopAsyncIteration re-raised in the stream loop, whose traceback
+    took in the frame that held it) kept each finished request, its stream and connection until the GC's rare
+    full pass. With the cyclic GC off, reference counting alone must free every finished request."""
+    scheduler = served.ens._scheduler
+    submitted: list[weakref.ref] = []
+    original = scheduler.submit
+    monkeypatch.setattr(scheduler, "submit", lambda g, *a: submitted.append(weakref.ref(g)) or original(g, *a))
+    body = {"model": MODEL, "messages": USER, "max_tokens": 6, "n": 2, "stream": stream}
+    gc.collect()
+    gc.disable()
+    try:
+        res = httpx.post(f"{served.v1}/chat/completions", json=body, headers=AUTH, timeout=60)
+        assert res.status_code == 200 and ("[DONE]" in res.text if stream else len(res.json()["choices"]) == 2)
+        served.wait_idle()
+        assert len(submitted) == 2
+        wait_for(lambda: all(ref() is None for ref in submitted), timeout=10, what="the requests to be freed")
+    finally:
+        gc.enable()
