@@ -62,6 +62,8 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
     device_map: str | list[str | None] | None = None
     dtype: str | None = None
     trust_remote_code: bool = False
+    quantization: str | None = None
+    """"int8": members with int8 linear layers (CPU; bitsandbytes 8-bit on a GPU), see docs/quantization.md."""
     max_retries: int | None = None
     """LangChain's standard parameter; only 0 / None: a generation in this process is not retried."""
     top_logprobs: int | None = None
@@ -194,7 +196,9 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
     def _safe_identifying_params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"models": self.member_names, "drafter": self.drafter_name}
         if self.ensemble is None:
-            params.update(weights=self.weights, device_map=self.device_map, dtype=self.dtype)
+            params.update(
+                weights=self.weights, device_map=self.device_map, dtype=self.dtype, quantization=self.quantization
+            )
         params.update({k: getattr(self, k) for k in KNOBS})
         return params
 

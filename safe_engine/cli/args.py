@@ -30,6 +30,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", type=float, nargs="+", help="one weight per member")
     p.add_argument("--device", help="device for all members (cpu, cuda:0, auto)")
     p.add_argument("--dtype", help="float32, bfloat16, float16")
+    p.add_argument(
+        "--quantize",
+        choices=["int8"],
+        help="int8: members with int8 linear layers (CPU; bitsandbytes 8-bit on a GPU); docs/quantization.md",
+    )
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -88,6 +93,7 @@ def load(args: argparse.Namespace, max_batch_size: int = 8, announce: bool = Tru
         weights=args.weights,
         device_map=args.device,
         dtype=args.dtype,
+        quantization=args.quantize,
         max_batch_size=max_batch_size,
     )
     if announce:

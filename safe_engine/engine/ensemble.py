@@ -8,6 +8,7 @@ import os
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -15,7 +16,8 @@ import torch
 from ..algorithm.aggregation import UnionVocab
 from ..algorithm.decoding import Generation, Lineup, OverlapGauge
 from ..errors import ConfigError, InputError, InputTypeError
-from ..runtime.members import Member, ModelSpec, check_device, load_member, unique_names
+from ..runtime.members import Member, ModelSpec, check_device, load_member, resolve_spec, unique_names
+from ..runtime.quantization import check_quantization
 from ..shaping.reply import StreamEvent
 from ..shaping.request import Request, build_request
 from ..stats import EnsembleStats, GenerationResult
@@ -101,8 +103,12 @@ class Ensemble:
         member_resources: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
         member_timeout_s: float | None = None,
         max_batch_size: int = 8,
+        quantization: Any = None,
     ) -> Ensemble:
         """Load members from hub ids, directories, .gguf files, demo names or ModelSpecs.
+
+        `quantization="int8"` loads every member whose ModelSpec does not say otherwise with int8 linear
+        layers on the CPU (bitsandbytes 8-bit on a GPU, untested here); see docs/quantization.md.
 
         backend="ray" (or a list with one "local"/"ray" per member) loads members in Ray actors on the
         cluster at `ray_address` ("auto", "ray://host:10001"; None: the current or a new local one), with
@@ -115,7 +121,9 @@ class Ensemble:
 
         backends = resolve_backends(backend, len(specs))
         devices = _devices(device_map, len(specs))
-        for dev, where in zip(devices, backends):  # all of them before loading any member
+        specs = [_quantized(resolve_spec(s), quantization) for s in specs]
+        for spec, dev, where in zip(specs, devices, backends):  # all of them before loading any member
+            check_quantization(spec.quantization, spec.dtype or dtype, spec.device or dev)
             if where == "local":  # a Ray member's device is checked on its own node
                 check_device(dev)
         remote = [i for i, where in enumerate(backends) if where == "ray"]
@@ -373,6 +381,11 @@ def _weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:
         raise ConfigError(f"weights must be finite, non-negative and not all zero, got {values}")
     total = sum(values)
     return torch.tensor([w / total for w in values])
+
+
+def _quantized(spec: ModelSpec, quantization: Any) -> ModelSpec:
+    """The spec with the ensemble-wide quantization, unless it names its own."""
+    return spec if quantization is None or spec.quantization is not None else replace(spec, quantization=quantization)
 
 
 def _devices(device_map: str | Sequence[str | None] | None, n: int) -> list[str | None]:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import ConfigError, InputTypeError
 from ..runtime.members import ModelSpec, spec_name, unique_names
+from ..runtime.quantization import check_quantization
 from ..shaping.request import Request
 from .ensemble import AsyncTextStream, Ensemble, StreamEvent, TextStream
 
@@ -27,6 +28,7 @@ LOAD_OPTIONS: dict[str, Any] = {
     "device_map": None,
     "dtype": None,
     "trust_remote_code": False,
+    "quantization": None,
 }
 
 
@@ -172,4 +174,6 @@ def _check_specs(specs: Any, options: dict[str, Any]) -> list[str | ModelSpec]:
         raise ConfigError(f"drafter must be an index in [0, {n - 1}], got {drafter!r}")
     if weights is not None and (not isinstance(weights, Sequence) or len(weights) != n):
         raise ConfigError(f"weights must list one number per model ({n}), got {weights!r}")
+    device = options["device_map"] if isinstance(options["device_map"], str) else None
+    check_quantization(options["quantization"], options["dtype"], device)  # at construction, not first use
     return specs

@@ -6,6 +6,7 @@ tokenizer, byte-level vocabulary. Per-request state (token ids, KV cache) lives 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pickle
@@ -22,6 +23,7 @@ from ..errors import ConfigError, InputTypeError, ModelLoadError
 from . import demo_models
 from .packed import KVPool, packed_forward, supports_packing, use_packing
 from .penalties import penalize
+from .quantization import check_quantization, loading_config, quantize_int8
 from .rows import LocalRow, Row
 from .vocab import Vocab, tokenizer_lock
 
@@ -32,7 +34,9 @@ class ModelSpec:
 
     `path` is a hub id, a local directory, a `.gguf` file or a demo model name
     (see `safe_engine.runtime.demo_models`). `chat_template` overrides the tokenizer's template, so base models
-    or models with a broken template can still join a chat ensemble.
+    or models with a broken template can still join a chat ensemble. `quantization="int8"` loads the member
+    with int8 linear layers (`safe_engine.runtime.quantization`); a transformers quantization config object is
+    passed to `from_pretrained` as is.
     """
 
     path: str
@@ -41,6 +45,7 @@ class ModelSpec:
     dtype: str | None = None
     name: str | None = None
     chat_template: str | None = None
+    quantization: Any = None
 
 
 class Member:
@@ -57,10 +62,10 @@ class Member:
             name or getattr(model.config, "_name_or_path", None) or type(model).__name__,
             chat_template,
             _eos_ids(model, tokenizer),
-            model.get_output_embeddings().weight.shape[0],
+            _output_size(model.get_output_embeddings()),
             _context_window(model.config),
         )
-        self.device = next(model.parameters()).device
+        self.device = next(itertools.chain(model.parameters(), model.buffers())).device  # int8 layers: buffers
         self.packed = supports_packing(model)  # many requests per forward, each with its own KV pool
         if self.packed:
             use_packing(model)
@@ -236,6 +241,12 @@ class Track:
             self.cache = None
 
 
+def _output_size(head: Any) -> int:
+    """Logits per position: an nn.Linear's (or an Int8Linear's) out_features, else its weight's rows."""
+    size = getattr(head, "out_features", None)
+    return int(size) if size is not None else head.weight.shape[0]
+
+
 def crop_cache(cache: Any, keep: int) -> None:
     """Drop cached positions beyond the first `keep` (transformers 5's DynamicCache takes a negative count)."""
     if isinstance(cache, KVPool):
@@ -398,6 +409,7 @@ def load_member(
     device: str | None = None,
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
+    quantization: Any = None,
 ) -> Member:
     """Load one member. Never enables remote code unless the caller asked for it."""
     spec = resolve_spec(spec)
@@ -408,12 +420,17 @@ def load_member(
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ConfigError(f"unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16' or 'float16'")
         dtype = getattr(torch, dtype)
+    quantization = spec.quantization if spec.quantization is not None else quantization
+    check_quantization(quantization, dtype, device)
     dtype = dtype or default_dtype(device)
     source = _local_dir(spec)
+    extra = {}
+    if (config := loading_config(quantization, device)) is not None:
+        extra["quantization_config"] = config
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, device_map=device, trust_remote_code=trust_remote_code
+            source, dtype=dtype, device_map=device, trust_remote_code=trust_remote_code, **extra
         )
     except pickle.UnpicklingError as err:  # torch.load(weights_only=True) met more than plain tensors
         raise ModelLoadError(
@@ -422,4 +439,6 @@ def load_member(
         ) from err
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not load model {spec.path!r}: {err}") from err
+    if quantization == "int8" and not extra:
+        quantize_int8(model)
     return Member(model, tokenizer, name=spec_name(spec), chat_template=spec.chat_template)
