@@ -5,8 +5,9 @@ one scale, so a row's result depends on the other rows of the forward — in a p
 requests, in a verifier's pass on the other drafted tokens. Measured on a 896→4864 layer: a row's error grew
 7× when a batch-mate had an 8× larger range. That breaks the engine's invariants (a request's answer must
 not depend on its batch; two copies of one model must agree). `Int8Linear` keeps fbgemm's kernel and makes
-the scale per row: each row is divided by its own max |x|, and one calibration row [-1, 1, 0, …] pins the
-kernel's per-tensor range to [-1, 1], so every row is quantized the same alone or in any batch.
+the scale per row: each row is divided by its own max |x|, and one calibration row (-1 first, 1 last, zeros
+between) pins the kernel's per-tensor range to [-1, 1], so every row is quantized the same alone or in any
+batch.
 
 Weights are int8 with one scale per output channel, embeddings int8 with one scale per token (a lookup
 reads one row; a subclass such as Gemma's scaled embedding stays as loaded). On a GPU,
