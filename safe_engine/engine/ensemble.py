@@ -121,8 +121,8 @@ class Ensemble:
 
         backends = resolve_backends(backend, len(specs))
         devices = _devices(device_map, len(specs))
-        specs = [_quantized(resolve_spec(s), quantization) for s in specs]
-        for spec, dev, where in zip(specs, devices, backends):  # all of them before loading any member
+        resolved = [_quantized(resolve_spec(s), quantization) for s in specs]
+        for spec, dev, where in zip(resolved, devices, backends):  # all of them before loading any member
             check_quantization(spec.quantization, spec.dtype or dtype, spec.device or dev)
             if where == "local":  # a Ray member's device is checked on its own node
                 check_device(dev)
@@ -135,7 +135,7 @@ class Ensemble:
                     raise ConfigError(f"member_resources lists {len(member_resources)} dicts for {len(specs)} members")
                 resources = [member_resources[i] for i in remote]
             pending = start_ray_members(
-                [specs[i] for i in remote],
+                [resolved[i] for i in remote],
                 devices=[None if device_map == "auto" else devices[i] for i in remote],
                 dtype=dtype,
                 trust_remote_code=trust_remote_code,
@@ -145,7 +145,7 @@ class Ensemble:
             )
         try:
             members: list[Member | None] = [None] * len(specs)
-            for i, (spec, dev, where) in enumerate(zip(specs, devices, backends)):
+            for i, (spec, dev, where) in enumerate(zip(resolved, devices, backends)):
                 if where == "local":
                     members[i] = load_member(spec, device=dev, dtype=dtype, trust_remote_code=trust_remote_code)
             if pending is not None:

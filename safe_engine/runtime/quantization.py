@@ -80,6 +80,9 @@ def _is_transformers_config(value: Any) -> bool:
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights (one scale per output channel) and int8 activations (one scale per row)."""
 
+    bias: torch.Tensor | None
+    calibration: torch.Tensor
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -111,6 +114,9 @@ class Int8Linear(nn.Module):
 
 class Int8Embedding(nn.Module):
     """An embedding table in int8 with one scale per token: a quarter of float32's memory, looked up exactly."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
 
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
