@@ -7,19 +7,6 @@ import json
 import pytest
 
 from safe_engine.cli import main
-from tests.conftest import tiny_member
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    dirs = []
-    for family, seed in (("qwen2.5-7b-instruct", 1), ("gpt2", 2)):
-        member = tiny_member(family, seed)
-        path = tmp_path_factory.mktemp(family)
-        member.model.save_pretrained(path)
-        member.tokenizer.save_pretrained(path)
-        dirs.append(str(path))
-    return dirs
 
 
 def test_generate_json(model_dirs, capsys):

@@ -119,19 +119,7 @@ def test_from_pretrained_quantizes_every_member_or_the_specs_that_ask(tmp_path):
     assert res.stats.tokens == 12 and res.stats.ensembled_tokens == 0
 
 
-@pytest.fixture(scope="module")
-def saved_dirs(tmp_path_factory) -> list[str]:
-    dirs = []
-    for family, seed in (("qwen2.5-7b-instruct", 1), ("gpt2", 2)):
-        member = tiny_member(family, seed)
-        path = tmp_path_factory.mktemp(family)
-        member.model.save_pretrained(path)
-        member.tokenizer.save_pretrained(path)
-        dirs.append(str(path))
-    return dirs
-
-
-def test_every_door_loads_int8_members_and_gives_the_engines_text(saved_dirs, capsys):
+def test_every_door_loads_int8_members_and_gives_the_engines_text(model_dirs, capsys):
     """Engine, CLI (generate and the loader `serve` uses), LangChain (SafeLLM, ChatSafe's base) and LlamaIndex:
     the same int8 members, the same greedy text."""
     import json
@@ -141,31 +129,31 @@ def test_every_door_loads_int8_members_and_gives_the_engines_text(saved_dirs, ca
     from safe_engine.cli import build_parser, main
     from safe_engine.cli.args import load
 
-    engine = Ensemble.from_pretrained(saved_dirs, quantization="int8")
+    engine = Ensemble.from_pretrained(model_dirs, quantization="int8")
     assert all(isinstance(m.model.get_output_embeddings(), Int8Linear) for m in engine.members)
     text = engine.generate(PROMPT, max_new_tokens=8).text
-    float_text = Ensemble.from_pretrained(saved_dirs).generate(PROMPT, max_new_tokens=8).text
+    float_text = Ensemble.from_pretrained(model_dirs).generate(PROMPT, max_new_tokens=8).text
 
-    flags = ["-m", saved_dirs[0], "-m", saved_dirs[1], "--quantize", "int8"]
+    flags = ["-m", model_dirs[0], "-m", model_dirs[1], "--quantize", "int8"]
     assert main(["generate", *flags, "--max-new-tokens", "8", "--json", PROMPT]) == 0
     assert json.loads(capsys.readouterr().out)["text"] == text
     served = load(build_parser().parse_args(["serve", *flags]), announce=False)
     assert all(isinstance(m.model.get_output_embeddings(), Int8Linear) for m in served.members)
 
-    assert LangChainLLM(models=saved_dirs, quantization="int8", max_new_tokens=8).invoke(PROMPT) == text
-    assert LlamaIndexLLM(models=saved_dirs, quantization="int8", max_new_tokens=8).complete(PROMPT).text == text
-    assert LangChainLLM(models=saved_dirs, max_new_tokens=8).invoke(PROMPT) == float_text  # not quantized
+    assert LangChainLLM(models=model_dirs, quantization="int8", max_new_tokens=8).invoke(PROMPT) == text
+    assert LlamaIndexLLM(models=model_dirs, quantization="int8", max_new_tokens=8).complete(PROMPT).text == text
+    assert LangChainLLM(models=model_dirs, max_new_tokens=8).invoke(PROMPT) == float_text  # not quantized
 
 
-def test_every_door_refuses_a_bad_quantization_by_name(saved_dirs, capsys):
+def test_every_door_refuses_a_bad_quantization_by_name(model_dirs, capsys):
     from langchain_safe import ChatSafe
     from llamaindex_safe import SafeLLM as LlamaIndexLLM
     from safe_engine.cli import main
 
     with pytest.raises(ConfigError, match="quantization"):
-        ChatSafe(models=saved_dirs, quantization="int4")  # at construction, before any load
+        ChatSafe(models=model_dirs, quantization="int4")  # at construction, before any load
     with pytest.raises(ConfigError, match="quantization"):
-        LlamaIndexLLM(models=saved_dirs, quantization="fp8")
+        LlamaIndexLLM(models=model_dirs, quantization="fp8")
     with pytest.raises(SystemExit):
-        main(["generate", "-m", saved_dirs[0], "--quantize", "int4", "Hi"])
+        main(["generate", "-m", model_dirs[0], "--quantize", "int4", "Hi"])
     assert "--quantize" in capsys.readouterr().err
