@@ -21,6 +21,7 @@ from ..runtime.quantization import check_quantization
 from ..shaping.reply import StreamEvent
 from ..shaping.request import Request, build_request
 from ..stats import EnsembleStats, GenerationResult
+from .memory import release_free_memory
 from .scheduler import Scheduler, Ticket, collect
 
 
@@ -156,6 +157,7 @@ class Ensemble:
                 pending.cancel()
             raise
         loaded = cast("list[Member]", members)  # every slot filled: local ones above, one Ray member per remote
+        release_free_memory()  # what loading freed: conversions, float weights an int8 member replaced
         return cls(loaded, drafter=drafter, weights=weights, max_batch_size=max_batch_size)
 
     @property

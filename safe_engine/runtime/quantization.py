@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.memory import release_free_memory
 from ..errors import ConfigError
 
 QUANTIZATIONS = ("int8",)
@@ -149,5 +148,4 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         if not isinstance(module, Int8Linear | Int8Embedding):
             for tensor in itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False)):
                 tensor.data = tensor.data.clone()
-    release_free_memory()  # the float weights just freed
     return model

@@ -40,13 +40,14 @@ def test_the_scheduler_gives_memory_back_once_each_time_it_goes_idle(monkeypatch
 
 
 def reachable_logits(root: object, vocab_sizes: set[int]) -> list[torch.Tensor]:
-    """Tensors with a vocabulary-sized last dimension reachable from `root` (objects the GC tracks, plus
-    the tensors they hold)."""
+    """Floating-point tensors with a vocabulary-sized last dimension (rows of logits) reachable from `root`
+    (objects the GC tracks, plus the tensors they hold). Integer tables of vocabulary size (id maps that
+    other tests' ensembles built and cached) are the members', not a request's."""
     seen, stack, found = {id(root)}, [root], []
     while stack:
         obj = stack.pop()
         if isinstance(obj, torch.Tensor):
-            if obj.dim() and obj.shape[-1] in vocab_sizes:
+            if obj.is_floating_point() and obj.dim() and obj.shape[-1] in vocab_sizes:
                 found.append(obj)
             continue
         if isinstance(obj, type | types.ModuleType | torch.nn.Module):
