@@ -13,6 +13,7 @@ from typing import Any
 from ..engine.ensemble import Ensemble
 from ..errors import ConfigError
 from ..knobs import add_cli_arguments, cli_options
+from ..runtime.quantization import QUANTIZATIONS
 from ..stats import GenerationResult
 
 
@@ -32,7 +33,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="float32, bfloat16, float16")
     p.add_argument(
         "--quantize",
-        choices=["int8"],
+        choices=QUANTIZATIONS,
         help="int8: members with int8 linear layers (CPU; bitsandbytes 8-bit on a GPU); docs/quantization.md",
     )
 
