@@ -107,11 +107,10 @@ def describe(task: str, limit: int, subtasks: tuple[str, ...]) -> str:
 
 
 @cache
-def member(name: str) -> Member:
+def member(name: str, quantization: str | None = None) -> Member:
     """A demo member, loaded once (gemma with the plain Question/Answer chat template)."""
-    if name == "gemma3-270m":
-        return load_member(ModelSpec(name, chat_template=PLAIN_CHAT))
-    return load_member(name)
+    template = PLAIN_CHAT if name == "gemma3-270m" else None
+    return load_member(ModelSpec(name, chat_template=template, quantization=quantization))
 
 
 def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[str, Callable[[], ConfigFn]]:
@@ -123,6 +122,7 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
         return lambda: Ensemble([m() for m in members], drafter=drafter, max_batch_size=args.ensemble_batch)
 
     pair = ensemble(qwen, smol)
+    int8_pair = ensemble(partial(member, "qwen2.5-coder-0.5b", "int8"), partial(member, "smollm2-135m", "int8"))
 
     def single(m: Callable[[], Member], stop: tuple[str, ...] = ()) -> Callable[[], ConfigFn]:
         return lambda: make_batched_single_config(m(), problems, batch_size=args.batch, stop=stop, **kw)
@@ -147,6 +147,7 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
         "GaC every token": ens(pair, method="every_token", aggregation="gac"),
         "UniTE+SAFE": ens(pair, method="safe", aggregation="unite"),
         "GaC+SAFE": ens(pair, method="safe", aggregation="gac"),
+        "UniTE+SAFE, int8 members": ens(int8_pair, method="safe", aggregation="unite"),
         # the extended rows: each gate alone, sampling, another drafter
         "UniTE+SAFE boundary gate only": ens(pair, method="safe", gates=("boundary",)),
         "UniTE+SAFE consensus gate only": ens(pair, method="safe", gates=("consensus",)),

@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 
+from .algorithm.decoding import ScheduleGauge
 from .engine.ensemble import Ensemble
 from .runtime.members import Member, load_member
+from .runtime.placement import engine_thread, use_threads
 
 PROMPT = (
     "Write a detailed, friendly explanation for a curious twelve-year-old of how a bicycle works: "
@@ -71,15 +73,40 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
+def hf_per_token(member: Member, prompt: str, n: int, threads: int | None = None) -> dict:
+    """transformers' greedy generate, forced to n tokens: seconds per token. With `threads`, it runs on a
+    thread of its own with that many intra-op threads (torch's count elsewhere stays as it is)."""
+    if threads is None:
+        return _hf_generate(member, prompt, n)
+    out: list[dict] = []
+    process = torch.get_num_threads()
+
+    def run() -> None:
+        engine_thread()
+        use_threads(threads, process)
+        out.append(_hf_generate(member, prompt, n))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    return {**out[0], "threads": threads}
+
+
 @torch.inference_mode()
-def hf_per_token(member: Member, prompt: str, n: int) -> dict:
-    """transformers' greedy generate, forced to n tokens: seconds per token."""
+def _hf_generate(member: Member, prompt: str, n: int) -> dict:
     enc = member.tokenizer(prompt, return_tensors="pt").to(member.device)
     start = time.perf_counter()
     with PeakRSS() as mem:
         member.model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     wall = time.perf_counter() - start
-    return {"tokens": n, "wall_s": wall, "s_per_token": wall / n, "tokens_per_s": n / wall, "peak_rss_mib": mem.peak}
+    return {
+        "tokens": n,
+        "wall_s": wall,
+        "s_per_token": wall / n,
+        "tokens_per_s": n / wall,
+        "peak_rss_mib": mem.peak,
+        "threads": torch.get_num_threads(),
+    }
 
 
 @torch.inference_mode()
@@ -97,7 +124,11 @@ def verify_forward(member: Member, prompt: str, k: int = 5, repeats: int = 5) ->
     return statistics.median(times)
 
 
-def engine_run(ens: Ensemble, n: int, **options: Any) -> dict:
+def engine_run(ens: Ensemble, n: int, fresh_gauge: bool = False, **options: Any) -> dict:
+    """One greedy request; `fresh_gauge`: schedule="auto" starts untimed, as in a fresh script (runs of
+    other configurations before it would have timed both schedules already)."""
+    if fresh_gauge:
+        ens._schedule_gauge = ScheduleGauge()
     with PeakRSS() as mem:
         res = ens.generate(PROMPT, max_new_tokens=n, **options)
     s = res.stats
@@ -115,6 +146,8 @@ def engine_run(ens: Ensemble, n: int, **options: Any) -> dict:
         "forward_passes": s.forward_passes,
         "finish_reason": res.finish_reason,
         "peak_rss_mib": mem.peak,
+        "overlap_chunk": ens._schedule_gauge.chunk,
+        "schedule_seconds_per_token": dict(ens._schedule_gauge.seconds_per_token),
         "text": res.text,
     }
 
@@ -137,13 +170,18 @@ def floor(config: dict, run: dict, t_d: float, t5: Sequence[float], t1: Sequence
 
 
 def bench_ensemble(
-    specs: Sequence[str], lengths: Sequence[int], configs: dict[str, dict] = CONFIGS, draft_length: int = 5
+    specs: Sequence[str],
+    lengths: Sequence[int],
+    configs: dict[str, dict] = CONFIGS,
+    draft_length: int = 5,
+    hf_threads: Sequence[int] = (),
 ) -> dict:
     members = [load_member(s) for s in specs]
     ens = Ensemble(members)
     ens.generate(PROMPT, max_new_tokens=2)  # warm-up (allocator, first-call paths)
     drafter, verifiers = members[0], members[1:]
-    out: dict = {"members": list(ens.names), "drafter": ens.names[0], "lengths": {}}
+    placement = ens.placement.describe() if ens.placement is not None else None
+    out: dict = {"members": list(ens.names), "drafter": ens.names[0], "placement": placement, "lengths": {}}
     t5 = {m.name: verify_forward(m, PROMPT) for m in members}
     t1 = {m.name: verify_forward(m, PROMPT, k=1) for m in members}
     out["t5_s"], out["t1_s"] = t5, t1
@@ -151,15 +189,18 @@ def bench_ensemble(
     for n in lengths:
         hf = {m.name: hf_per_token(m, PROMPT, n) for m in (members if needs_all else members[:1])}
         row: dict = {"hf_generate": hf, "configs": {}}
+        row["hf_generate_threads"] = {str(k): hf_per_token(drafter, PROMPT, n, threads=k) for k in hf_threads}
         for name, options in configs.items():
-            row["configs"][name] = engine_run(ens, n, draft_length=draft_length, **options)
+            row["configs"][name] = engine_run(ens, n, fresh_gauge=not options, draft_length=draft_length, **options)
         t_d = hf[drafter.name]["s_per_token"]
         hf_tps = hf[drafter.name]["tokens_per_s"]
         t5_v, t1_v = [t5[v.name] for v in verifiers], [t1[v.name] for v in verifiers]
         every_cost = t_d + sum(hf[v.name]["s_per_token"] for v in verifiers) if needs_all else None
         base = row["configs"].get(BASELINE)
+        best_tps = max([hf_tps] + [r["tokens_per_s"] for r in row["hf_generate_threads"].values()])
         for name, run in row["configs"].items():
             run["vs_drafter_alone"] = run["tokens_per_s"] / hf_tps
+            run["vs_drafter_alone_best_threads"] = run["tokens_per_s"] / best_tps
             run["floor_vs_drafter_alone"] = floor(configs[name], run, t_d, t5_v, t1_v, draft_length)
             run["diverges_from_rounds_at_char"] = first_difference(base["text"], run["text"]) if base else None
         row["floor_every_token_vs_drafter_alone"] = t_d / every_cost if every_cost else None
@@ -185,6 +226,12 @@ def speed_table(results: Sequence[dict]) -> str:
                 hf = row["hf_generate"][run["drafter"]]
                 tps = hf["tokens_per_s"]
                 lines.append(f"| {members} | {n} | drafter alone (HF generate) | {tps:.2f} | 1.00 |||||||")
+                for k, other in row.get("hf_generate_threads", {}).items():
+                    ratio = other["tokens_per_s"] / tps
+                    lines.append(
+                        f"| {members} | {n} | drafter alone (HF generate, {k} thread(s)) | {other['tokens_per_s']:.2f} "
+                        f"| {ratio:.2f} |||||||"
+                    )
                 for name, r in row["configs"].items():
                     fl = r.get("floor_vs_drafter_alone")
                     ratio = f"{r['vs_drafter_alone']:.2f}" + (f" ({fl:.2f})" if fl else "")
@@ -254,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", help=f"configuration names (default: all of {list(CONFIGS)})")
     p.add_argument("--neighbour", action="store_true", help="keep one core busy meanwhile (a matmul loop)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--hf-threads", type=int, nargs="+", default=[], help="also time HF generate with these thread counts"
+    )
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     p.add_argument("--plot", help="write a PNG of wall time vs new tokens")
     p.add_argument("--markdown", help="write a Markdown table of the results")
@@ -288,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "torch_threads": torch.get_num_threads(),
             "neighbour": args.neighbour,
             "prompt": PROMPT,
-            "runs": [bench_ensemble(specs, args.lengths, configs) for specs in sets],
+            "runs": [bench_ensemble(specs, args.lengths, configs, hf_threads=args.hf_threads) for specs in sets],
         }
     text = json.dumps(result, indent=2)
     print(text)

@@ -14,11 +14,12 @@ Caches are cropped, never recomputed from scratch.
 
 Two schedules. **rounds** (above; with `adaptive_draft`, a lone request's draft ends one token after an
 unsure drafter token at a shared boundary, where replacements happen, and its length follows the request's
-replacement rate; a batch drafts the configured length in lockstep). **overlap**: every round drafts one
-token while the verifiers, on another core or device, score the text before it, so their forward is off the
-critical path and a replacement costs at most the one token drafted meanwhile. Both judge every position on
-the same text, so they give the same greedy output, and the choice is made per round: schedule="auto"
-overlaps a lone request while `OverlapGauge` finds that the verifiers keep up with the drafter.
+replacement rate; a batch drafts the configured length in lockstep). **overlap**: every round drafts a chunk
+of k tokens (k = 1 while the verifiers keep up) while the verifiers, on other cores or devices, score the
+chunk before it, so their forward is off the critical path and a replacement costs at most the chunk drafted
+meanwhile. Both judge every position on the same text, so they give the same greedy output, and the choice
+is made per round: schedule="auto" runs a lone request in whichever schedule `ScheduleGauge` timed faster.
+On the CPU, `runtime.placement` says how many threads each side's forwards get.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 
 from ..errors import ConfigError, GenerationTimeout, InputError, MemberError, SafeEngineError
 from ..runtime.members import Job, Member, Track
+from ..runtime.placement import Placement, use_threads
 from ..runtime.rows import Draws, LocalRow, Row, race_sample
 from ..shaping.constrained import Constraint
 from ..shaping.request import Request
@@ -85,8 +87,9 @@ class Lineup:
     weights: torch.Tensor
     executor: Executor | None = None  # runs forwards of different members at once (overlap, devices)
     parallel_members: bool = False  # the verifiers sit on different devices: score them concurrently
-    overlap_gauge: OverlapGauge | None = None  # given when a free core or device exists (schedule="auto")
+    schedule_gauge: ScheduleGauge | None = None  # given when a free core or device exists (schedule="auto")
     union: Callable[[], UnionVocab] | None = None  # GaC's union vocabulary of the members
+    placement: Placement | None = None  # threads per kind of forward, for members on the CPU
 
 
 class Generation:
@@ -131,7 +134,8 @@ class Generation:
         self.gates = strategy.gates
         self.executor = lineup.executor
         self.parallel_members = lineup.parallel_members
-        self.overlap_gauge = lineup.overlap_gauge
+        self.schedule_gauge = lineup.schedule_gauge
+        self.placement = lineup.placement
         self.draft_length = config.draft_length  # adapted per round with `adaptive_draft`
         self.draws = Draws(config.seed)
         weights = lineup.weights[active] / lineup.weights[active].sum()
@@ -198,14 +202,15 @@ class Generation:
         schedule = self.strategy.schedule
         if not self.gates or self.executor is None or schedule == "rounds":
             return False
-        gauge = self.overlap_gauge
-        return schedule == "overlap" or (gauge is not None and gauge.prefers_overlap)
+        gauge = self.schedule_gauge
+        return schedule == "overlap" or (gauge is not None and gauge.choose() == "overlap")
 
     def begin_round(self, overlap: bool = False, batched: bool = False) -> None:
-        """Start a round: the carried tokens become the draft; up to n new ones follow (1 without gates, and in
-        the overlap schedule, where the verifiers meanwhile score the carried ones). In a batch (`batched`)
-        the draft keeps the configured length: the batch drafts in lockstep, and one request stopping early
-        leaves the others' drafting steps part empty (8 GSM8K requests: 10.7 tok/s adaptive vs 15.9 fixed)."""
+        """Start a round: the carried tokens become the draft; up to n new ones follow (1 without gates; the
+        gauge's chunk in the overlap schedule, where the verifiers meanwhile score the carried ones). In a
+        batch (`batched`) the draft keeps the configured length: the batch drafts in lockstep, and one request
+        stopping early leaves the others' drafting steps part empty (8 GSM8K requests: 10.7 tok/s adaptive vs
+        15.9 fixed)."""
         if self.finished:
             raise InputError("this generation has finished; start a new one")
         if self._cancelled:
@@ -221,7 +226,12 @@ class Generation:
         self.draft, self.pending = self.pending, Draft()
         self._budget = cfg.max_new_tokens - self.stats.tokens
         self._adaptive = cfg.adaptive_draft and not batched
-        n = (self.draft_length if self._adaptive else cfg.draft_length) if self.gates and not overlap else 1
+        if not self.gates:
+            n = 1
+        elif overlap:
+            n = min(self.schedule_gauge.chunk, cfg.draft_length) if self.schedule_gauge is not None else 1
+        else:
+            n = self.draft_length if self._adaptive else cfg.draft_length
         self._to_draft = min(n, self._budget - len(self.draft))
         self.checks = []
         self.draft.final |= self._to_draft <= 0
@@ -629,11 +639,16 @@ def run_round(gens: Sequence[Generation]) -> None:
 
 
 def _run_round(gens: Sequence[Generation]) -> None:
-    overlap = len(gens) == 1 and gens[0].can_overlap  # with many live requests, batching comes first
+    lone = gens[0] if len(gens) == 1 else None  # with many live requests, batching comes first
+    overlap = lone is not None and lone.can_overlap
+    placement = gens[0].placement
+    if placement is not None:
+        use_threads(placement.drafter if lone is not None else placement.batch, placement.process)
+    started, tokens, rounds = time.perf_counter(), gens[0].stats.tokens, gens[0].stats.rounds
     live = []
     for gen in gens:
         try:
-            gen.begin_round(overlap, batched=len(gens) > 1)
+            gen.begin_round(overlap, batched=lone is None)
             live.append(gen)
         except Exception as err:  # this request alone (timed out, cancelled, finished)
             gen.fail(err)
@@ -648,7 +663,7 @@ def _run_round(gens: Sequence[Generation]) -> None:
                 drafting = [g for g in drafting if g.drafting]
             checks = [c for g in live for c in g.verify() if c.job is not None]
             work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
-            for check, rows in zip(checks, _score_all(work, _executor(live))):
+            for check, rows in zip(checks, _verify(work, live)):
                 check.take(rows)
         for gen in live:
             gen.end_round()
@@ -659,54 +674,132 @@ def _run_round(gens: Sequence[Generation]) -> None:
         for gen in live:
             gen.fail(err)
         raise
+    gauge = lone.schedule_gauge if lone is not None else None
+    if gauge is not None and lone is not None and lone.error is None and rounds > 0:  # not the prompt's round
+        gauge.record("overlap" if overlap else "rounds", time.perf_counter() - started, lone.stats.tokens - tokens)
+
+
+def _verify(work: Sequence[tuple[Track, Job]], live: Sequence[Generation]) -> list[list[Row]]:
+    """The verifiers' rows in a round without overlap. A lone request on the CPU scores them on the engine's
+    verifying thread with the verifiers' thread count, as the overlap schedule does: the same forwards with
+    the same threads in either schedule."""
+    placement = live[0].placement if live else None
+    executor = live[0].executor if live else None
+    if len(live) == 1 and placement is not None and executor is not None and work:
+        return executor.submit(_on_threads, placement.verifiers, placement.process, _score_all, work).result()
+    return _score_all(work, _executor(live))
+
+
+def _on_threads(count: int, process: int, fn: Any, *args: Any) -> Any:
+    use_threads(count, process)
+    return fn(*args)
 
 
 def _overlapped(gen: Generation) -> None:
-    """The drafter's next token and the verifiers' pass over the text before it, at the same time; both are
-    timed for the overlap gauge."""
+    """The drafter's next chunk and the verifiers' pass over the text before it, at the same time; both are
+    timed for the schedule gauge."""
     executor = gen.executor
     assert executor is not None, "the overlap schedule needs the lineup's executor (see Generation.can_overlap)"
     checks = [c for c in gen.verify() if c.job is not None]
     work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
-    verifying = executor.submit(_timed, _score_all, work) if checks else None
-    drafter_s = None
+    placement = gen.placement
+    verifying = None
+    if checks:
+        if placement is not None:
+            verifying = executor.submit(_timed, _on_threads, placement.verifiers, placement.process, _score_all, work)
+        else:
+            verifying = executor.submit(_timed, _score_all, work)
+    drafter_s = 0.0
     try:
-        if gen.drafting:
-            drafted, drafter_s = _timed(_score_all, [(gen.drafter, gen.draft_job())])
+        while gen.drafting:
+            drafted, seconds = _timed(_score_all, [(gen.drafter, gen.draft_job())])
             gen.take_draft(drafted[0])
+            drafter_s += seconds
     finally:
         rows, verifiers_s = verifying.result() if verifying is not None else ([], None)  # never leave one running
     for check, check_rows in zip(checks, rows):
         check.take(check_rows)
-    if gen.overlap_gauge is not None and drafter_s and verifiers_s is not None:
-        gen.overlap_gauge.record(verifiers_s / drafter_s)
+    if gen.schedule_gauge is not None and drafter_s and verifiers_s is not None:
+        gen.schedule_gauge.record_chunk(verifiers_s / drafter_s)
 
 
-class OverlapGauge:
-    """Whether the overlap schedule pays on this hardware, measured on its own rounds and shared by an
-    ensemble's requests. Overlap hides the verifiers' pass only while it ends before the drafter's step does;
-    when it takes longer, the drafter waits for it at every token and one verification per round is cheaper.
-    On a CPU whose cores share the memory bandwidth that happens with a big verifier set (measured: Qwen-0.5B
-    drafting for SmolLM2-135M + gemma-3-270m on two cores, 0.41x the drafter alone overlapped vs 0.56x in
-    rounds; for SmolLM2 alone 0.90x vs 0.79x). After its first `SAMPLES` overlapped rounds the gauge decides
-    for good: schedule="auto" keeps overlapping only if the median verifier / drafter time is below 1. The
-    ratio of two forwards that ran side by side does not depend on the text, as a time per token would."""
+class ScheduleGauge:
+    """Which schedule serves a lone request faster on this machine now, and how many tokens an overlapped
+    round drafts; measured on the requests' own rounds and shared by an ensemble's requests.
 
-    SAMPLES = 8
+    Overlap hides the verifiers' pass behind the drafter's steps only while the pass ends first and the two
+    forwards do not slow each other down. A busy neighbour core breaks that (measured on the demo pair: 0.63
+    of the drafter alone overlapped vs 0.77 in rounds), and so does a verifier set whose one-token pass
+    outlasts a drafter step (Qwen-0.5B drafting for SmolLM2-135M + gemma-3-270m: 0.41 vs 0.56). So:
+
+    - the gauge times both schedules, in seconds per accepted token over `WINDOW` tokens each (a request's
+      first round, its prompt's, is not timed), runs the faster one and times the other again after every
+      `REPROBE` tokens, because the machine's load changes;
+    - an overlapped round drafts a chunk of `chunk` tokens, grown by one while the verifiers' pass over a
+      chunk outlasts the drafter's steps (median of `CHUNK_SAMPLES` rounds): a k-token pass costs little
+      more than a one-token pass, so a chunk lets two verifiers keep up with one drafter. A grown chunk is
+      timed afresh (its cost per token is not the smaller one's).
+
+    The greedy text does not depend on any of this (every schedule judges each position on the same text).
+    """
+
+    SCHEDULES = ("overlap", "rounds")
+    WINDOW = 16
+    REPROBE = 512
+    CHUNK_SAMPLES = 4
+    MAX_CHUNK = 8
 
     def __init__(self) -> None:
-        self._ratios: list[float] = []
         self._lock = threading.Lock()
+        self.seconds_per_token: dict[str, float] = {}  # each schedule's last timed window
+        self._window = {s: (0.0, 0) for s in self.SCHEDULES}  # (seconds, tokens) of the window being timed
+        self._since = dict.fromkeys(self.SCHEDULES, 0)  # tokens decoded since each schedule was last timed
+        self._timing: str | None = None  # the schedule being timed now
+        self.chunk = 1
+        self._ratios: list[float] = []
 
-    def record(self, ratio: float) -> None:
+    def choose(self) -> str:
+        """The schedule of a lone request's next round."""
         with self._lock:
-            if len(self._ratios) < self.SAMPLES:
-                self._ratios.append(ratio)
+            if self._timing is None:
+                self._timing = next((s for s in self.SCHEDULES if s not in self.seconds_per_token), None)
+            if self._timing is not None:
+                return self._timing
+            best = min(self.SCHEDULES, key=self.seconds_per_token.__getitem__)
+            other = self.SCHEDULES[1 - self.SCHEDULES.index(best)]
+            if self._since[other] >= self.REPROBE:
+                self._timing = other
+                return other
+            return best
 
-    @property
-    def prefers_overlap(self) -> bool:
+    def record(self, schedule: str, seconds: float, tokens: int) -> None:
+        """One lone request's round: its schedule, wall time and tokens accepted."""
         with self._lock:
-            return len(self._ratios) < self.SAMPLES or statistics.median(self._ratios) < 1.0
+            for s in self.SCHEDULES:
+                if s != schedule:
+                    self._since[s] += tokens
+            spent, counted = self._window[schedule]
+            spent, counted = spent + seconds, counted + tokens
+            if counted < self.WINDOW:
+                self._window[schedule] = (spent, counted)
+                return
+            self.seconds_per_token[schedule] = spent / counted
+            self._window[schedule], self._since[schedule] = (0.0, 0), 0
+            if self._timing == schedule:
+                self._timing = None
+
+    def record_chunk(self, ratio: float) -> None:
+        """One overlapped round: the verifiers' pass time over the drafter's steps beside it."""
+        with self._lock:
+            self._ratios.append(ratio)
+            if len(self._ratios) < self.CHUNK_SAMPLES:
+                return
+            if statistics.median(self._ratios) > 1.0 and self.chunk < self.MAX_CHUNK:
+                self.chunk += 1  # overlap's timing so far was of smaller chunks: time it again
+                self._window["overlap"] = (0.0, 0)
+                self.seconds_per_token.pop("overlap", None)
+                self._timing = None
+            self._ratios.clear()
 
 
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,9 +13,10 @@ from typing import Any, cast
 import torch
 
 from ..algorithm.aggregation import UnionVocab
-from ..algorithm.decoding import Generation, Lineup, OverlapGauge
+from ..algorithm.decoding import Generation, Lineup, ScheduleGauge
 from ..errors import ConfigError, InputError, InputTypeError
 from ..runtime.members import Member, ModelSpec, check_device, load_member, resolve_spec, unique_names
+from ..runtime.placement import Placement, engine_thread, plan_placement
 from ..runtime.quantization import check_quantization
 from ..shaping.reply import StreamEvent
 from ..shaping.request import Request, build_request
@@ -56,9 +56,12 @@ class Ensemble:
         self._lock = threading.Lock()
         # Forwards of different members run at once (each releases the GIL): verifiers on different devices,
         # and the verifiers behind the drafter in the overlap schedule.
-        self._executor = ThreadPoolExecutor(max(2, len(members)), thread_name_prefix="safe-forward")
+        self._executor = ThreadPoolExecutor(
+            max(2, len(members)), thread_name_prefix="safe-forward", initializer=engine_thread
+        )
         self._parallel_members = len({str(m.device) for m in members}) > 1
-        self._overlap_gauge = OverlapGauge()  # whether overlap pays here: timed on the first requests
+        self.placement = _placement(members, drafter)
+        self._schedule_gauge = ScheduleGauge()  # which schedule is faster here: timed on the requests' rounds
         self._scheduler = Scheduler(max_batch_size)
 
     @property
@@ -254,18 +257,18 @@ class Ensemble:
             self.weights,
             self._executor,
             self._parallel_members,
-            self._overlap_gauge if self._spare_capacity() else None,
+            self._schedule_gauge if self._spare_capacity() else None,
             self._union_vocab,
+            self.placement,
         )
 
     def _spare_capacity(self) -> bool:
-        """Whether verifiers can run beside the drafter: they sit on other devices, or the CPU has cores left
-        over by torch's threads (schedule="auto" then overlaps a lone request while the gauge finds it pays)."""
+        """Whether verifiers can run beside the drafter: they sit on other devices, or the CPU placement left
+        them cores of their own (schedule="auto" then times both schedules on a lone request)."""
         drafter = str(self.drafter.device)
         if any(str(m.device) != drafter for m in self.members):
             return True
-        on_cpu = isinstance(self.drafter.device, torch.device) and self.drafter.device.type == "cpu"
-        return on_cpu and (os.cpu_count() or 1) >= 2 * torch.get_num_threads()
+        return self.placement is not None and self.placement.spare
 
     def _union_vocab(self) -> UnionVocab:
         with self._lock:
@@ -403,3 +406,11 @@ def _devices(device_map: str | Sequence[str | None] | None, n: int) -> list[str 
     if len(devices) != n:
         raise ConfigError(f"device_map lists {len(devices)} devices for {n} members")
     return devices
+
+
+def _placement(members: Sequence[Member], drafter: int) -> Placement | None:
+    """The CPU placement of the members' forwards (None unless every member is a local one on the CPU)."""
+    devices = [m.device for m in members]
+    if any(not isinstance(d, torch.device) or d.type != "cpu" for d in devices):
+        return None
+    return plan_placement([m.weight_bytes for m in members], drafter)

@@ -21,6 +21,7 @@ from typing import cast
 
 from ..algorithm.decoding import Generation, run_round
 from ..errors import ConfigError, InputError
+from ..runtime.placement import engine_thread
 from ..shaping.reply import Reply, StreamEvent
 from ..stats import GenerationResult, TokenLogprob
 from .memory import release_free_memory
@@ -170,6 +171,7 @@ class Scheduler:
             return [w for w in (self._worker, self._ending) if w is not None]
 
     def _run(self) -> None:
+        engine_thread()  # the placement may set this thread's torch thread count
         while self._round():
             pass
         # Idle: what the requests freed goes back to the OS (glibc keeps it in its arenas otherwise, and a

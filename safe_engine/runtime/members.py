@@ -98,6 +98,13 @@ class Member:
     def __repr__(self) -> str:
         return f"Member({self.name!r}, vocab={self.vocab_size}, device={self.device})"
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights (parameters and buffers: int8 layers keep theirs as buffers), which a
+        decoding step reads once each: what its time follows on a memory-bound CPU."""
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     # -- text -> ids --------------------------------------------------------------------------------
     def prompt_ids(self, prompt: str) -> list[int]:
         """Ids of a raw prompt: the tokenizer's own special prefix (BOS) + the text, control strings as text."""

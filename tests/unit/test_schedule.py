@@ -10,7 +10,8 @@ import time
 import pytest
 
 from safe_engine import ConfigError, Ensemble, SafeEngineError, build_request
-from safe_engine.algorithm.decoding import OverlapGauge
+from safe_engine.algorithm.decoding import ScheduleGauge
+from safe_engine.runtime.placement import Placement
 from tests.conftest import tiny_member
 from tests.reliability.conftest import live_caches, wait_until
 
@@ -37,6 +38,7 @@ def test_two_copies_give_the_models_own_text_in_every_schedule():
 @pytest.mark.parametrize("aggregation", ["unite", "gac"])
 def test_every_schedule_gives_the_same_greedy_text_across_tokenizer_families(members3, aggregation):
     ens = Ensemble(members3)
+    ens._schedule_gauge.record_chunk = lambda ratio: None  # overlap one token a round (chunks: below)
     results = [ens.generate(PROMPT, max_new_tokens=80, aggregation=aggregation, **o) for o in SCHEDULES]
     base = results[0]
     for res in results[1:]:
@@ -61,38 +63,72 @@ def test_the_levers_can_be_switched_off_and_bad_values_are_refused(members3):
         ens.generate(PROMPT, adaptive_draft="yes")
 
 
-def test_auto_overlaps_a_lone_request_only_with_a_spare_core(members3, monkeypatch):
-    import torch
+SPARE = Placement(cores=2, drafter=1, verifiers=1, batch=2, process=2, chosen_by="engine")
+NO_SPARE = Placement(cores=1, drafter=1, verifiers=1, batch=1, process=1, chosen_by="engine")
 
+
+def test_auto_overlaps_a_lone_request_only_with_a_spare_core(members3):
     ens = Ensemble(members3)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
-    assert ens._start(build_request(PROMPT)).can_overlap
-    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    ens.placement = SPARE
+    assert ens._start(build_request(PROMPT)).can_overlap  # the gauge times overlap first
+    ens.placement = NO_SPARE
     assert not ens._start(build_request(PROMPT)).can_overlap
     assert ens._start(build_request(PROMPT, **{"schedule": "overlap"})).can_overlap
     assert not ens._start(build_request(PROMPT, **{"schedule": "overlap", "method": "every_token"})).can_overlap
 
 
-def test_the_overlap_gauge_decides_after_its_samples():
-    fast, slow = OverlapGauge(), OverlapGauge()
-    for _ in range(OverlapGauge.SAMPLES - 1):
-        fast.record(0.4)
-        slow.record(3.0)
-    assert fast.prefers_overlap and slow.prefers_overlap  # too few samples: keep overlapping
-    fast.record(5.0)  # one outlier (a cold first forward) does not move the median
-    slow.record(0.4)
-    assert fast.prefers_overlap and not slow.prefers_overlap
-    slow.record(0.1)  # decided for good
-    assert not slow.prefers_overlap
+def test_the_schedule_gauge_times_both_runs_the_faster_and_times_the_other_again():
+    gauge = ScheduleGauge()
+    assert gauge.choose() == "overlap"
+    gauge.record("overlap", 0.30, ScheduleGauge.WINDOW - 1)
+    assert gauge.choose() == "overlap"  # its window is not full yet
+    gauge.record("overlap", 0.10, 1)
+    assert gauge.choose() == "rounds"  # then the other schedule is timed
+    gauge.record("rounds", 0.80, ScheduleGauge.WINDOW)
+    assert gauge.seconds_per_token == {"overlap": 0.4 / ScheduleGauge.WINDOW, "rounds": 0.8 / ScheduleGauge.WINDOW}
+    assert gauge.choose() == "overlap"  # the faster one
+    gauge.record("overlap", 1.0, ScheduleGauge.REPROBE - 1)
+    assert gauge.choose() == "overlap"
+    gauge.record("overlap", 0.1, 1)
+    assert gauge.choose() == "rounds"  # REPROBE tokens later: timed again (a neighbour may have started)
+    assert gauge.seconds_per_token["overlap"] == pytest.approx(1.0 / (ScheduleGauge.REPROBE - 1))
+    gauge.record("rounds", 0.01, ScheduleGauge.WINDOW)
+    assert gauge.choose() == "rounds"  # now rounds is the faster one
+
+
+def test_the_overlap_chunk_grows_while_the_verifiers_cannot_keep_up():
+    gauge = ScheduleGauge()
+    gauge.record("overlap", 10.0, ScheduleGauge.WINDOW)
+    gauge.record("rounds", 1.0, ScheduleGauge.WINDOW)
+    assert gauge.choose() == "rounds"  # one token a round is slow: the verifiers made the drafter wait
+    for ratio in (1.8, 1.7, 0.2, 1.9):  # median 1.75
+        gauge.record_chunk(ratio)
+    assert gauge.chunk == 2
+    assert gauge.choose() == "overlap"  # a grown chunk is timed afresh
+    for ratio in (0.9, 0.8, 2.5, 0.7):  # one outlier (a cold forward) does not move the median
+        gauge.record_chunk(ratio)
+    assert gauge.chunk == 2
+    for _ in range(10 * ScheduleGauge.CHUNK_SAMPLES * ScheduleGauge.MAX_CHUNK):
+        gauge.record_chunk(3.0)
+    assert gauge.chunk == ScheduleGauge.MAX_CHUNK
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_an_overlap_chunk_of_any_size_gives_the_rounds_text(members3, chunk):
+    ens = Ensemble(members3)
+    rounds = ens.generate(PROMPT, max_new_tokens=80, schedule="rounds")
+    ens._schedule_gauge.chunk = chunk
+    ens._schedule_gauge.record_chunk = lambda ratio: None  # hold the chunk at its size
+    overlap = ens.generate(PROMPT, max_new_tokens=80, schedule="overlap")
+    assert overlap.text == rounds.text
+    assert overlap.stats.ensembled_tokens == rounds.stats.ensembled_tokens
+    drafted = overlap.stats.forward_passes[ens.names[0]]
+    assert (chunk - 0.5) * overlap.stats.rounds <= drafted <= chunk * overlap.stats.rounds  # a chunk a round
 
 
 def test_auto_falls_back_to_rounds_when_the_verifiers_cannot_keep_up(members3, monkeypatch):
-    import torch
-
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
     ens = Ensemble(members3)
+    ens.placement = SPARE
     rounds_text = ens.generate(PROMPT, max_new_tokens=100, schedule="rounds").text
     verifier = ens.members[1]
     original = verifier.forward_many
@@ -102,9 +138,11 @@ def test_auto_falls_back_to_rounds_when_the_verifiers_cannot_keep_up(members3, m
         return original(jobs)
 
     monkeypatch.setattr(verifier, "forward_many", sluggish)
+    ens._schedule_gauge = ScheduleGauge()  # timed afresh, with the sluggish verifier
     res = ens.generate(PROMPT, max_new_tokens=100)
     assert res.text == rounds_text  # the schedule changes mid-request; the greedy text does not
-    assert not ens._overlap_gauge.prefers_overlap  # the drafter waited for the verifier
+    timed = ens._schedule_gauge.seconds_per_token
+    assert timed["overlap"] > timed["rounds"]  # a verification a token costs more than one a round
     assert not ens._start(build_request(PROMPT)).can_overlap
     assert ens._start(build_request(PROMPT, **{"schedule": "overlap"})).can_overlap  # forcing it still works
 

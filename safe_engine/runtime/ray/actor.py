@@ -145,5 +145,5 @@ class MemberActor:
                 return values[row]
         raise LookupError(
             f"request {request}: the distributions of call {call} are no longer held "
-            "(the request was released, or rows older than draft_length + 1 forward calls were asked for)"
+            "(the request was released, or rows older than 2 * draft_length + 2 forward calls were asked for)"
         )

@@ -184,7 +184,7 @@ class RayMember(Member):
                     int(job.keep),
                     (bool(config.do_sample), float(config.temperature), float(config.top_p)),
                     max(config.top_k, MIN_TOP_K),
-                    config.draft_length + 1,
+                    2 * config.draft_length + 2,  # an overlapped chunk (<= draft_length) beside the carried one
                 )
             )
         answers, _ = self._call("score_many", payload, requests=[job.cache for job in jobs])

@@ -1,0 +1,111 @@
+"""The CPU placement: the engine splits its cores between the drafter and the verifiers unless the user
+chose torch's threads, sets thread counts on its own threads only, and never changes the greedy text."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from safe_engine import Ensemble
+from safe_engine.runtime import placement as placement_module
+from safe_engine.runtime.placement import Placement, plan_placement
+from tests.unit.test_quantization import int8_member
+
+PROMPT = "The quick brown fox"
+SCHEDULES = [{"schedule": "rounds", "adaptive_draft": False}, {"schedule": "overlap"}, {"schedule": "auto"}]
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A machine of `cores` CPUs (logical = physical) with torch at its default count unless set."""
+
+    def set_up(cores: int, torch_threads: int | None = None) -> None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+        monkeypatch.setattr(placement_module, "available_cores", lambda: cores)
+        monkeypatch.setattr(placement_module, "physical_cores", lambda: cores)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads or cores)
+
+    return set_up
+
+
+def test_the_engine_splits_the_cores_by_the_weights_each_side_reads(machine):
+    machine(2)
+    assert plan_placement([400, 100], drafter=0) == Placement(2, 1, 1, 2, 2, "engine")
+    machine(8)
+    assert plan_placement([600, 100, 100], drafter=0) == Placement(8, 6, 2, 8, 8, "engine")
+    assert plan_placement([100, 600, 100], drafter=0) == Placement(8, 1, 7, 8, 8, "engine")  # a small drafter
+    assert plan_placement([10**9, 1], drafter=0).verifiers == 1  # each side keeps at least one core
+    machine(1)
+    one = plan_placement([400, 100], drafter=0)
+    assert (one.drafter, one.verifiers, one.spare) == (1, 1, False)  # nothing to overlap with
+
+
+def test_a_thread_count_the_user_chose_is_kept(machine, monkeypatch):
+    machine(4, torch_threads=1)  # torch.set_num_threads(1)
+    assert plan_placement([400, 100], drafter=0) == Placement(4, 1, 1, 1, 1, "user")
+    machine(4, torch_threads=3)
+    kept = plan_placement([400, 100], drafter=0)
+    assert (kept.drafter, kept.verifiers, kept.batch, kept.chosen_by, kept.spare) == (3, 3, 3, "user", False)
+    machine(4)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the environment says so, even at the default count
+    assert plan_placement([400, 100], drafter=0).chosen_by == "user"
+
+
+def test_threads_are_set_on_the_engines_threads_only(members3):
+    """The drafter's and the verifiers' forwards run with the placement's counts; the caller's thread and
+    threads started later keep torch's count."""
+    ens = Ensemble(members3)
+    before = torch.get_num_threads()
+    ens.placement = Placement(2, 1, 1, 2, before, "engine")
+    seen: dict[str, set[int]] = {"drafter": set(), "verifiers": set()}
+    for member, side in zip(ens.members, ("drafter", "verifiers", "verifiers")):
+        original = member.forward_many
+
+        def counted(jobs, original=original, side=side):
+            seen[side].add(torch.get_num_threads())
+            return original(jobs)
+
+        member.forward_many = counted
+    for options in SCHEDULES:
+        ens.generate(PROMPT, max_new_tokens=24, **options)
+    assert seen == {"drafter": {1}, "verifiers": {1}}
+    ens.placement = Placement(2, 1, 1, 2, before, "engine")
+    ens.generate_batch([PROMPT, "Hello there"], max_new_tokens=12)
+    assert seen["drafter"] == {1, 2}  # a batch: all cores, one phase at a time
+    assert torch.get_num_threads() == before
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [before]  # torch's process-wide default is as it was
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
+def test_the_placement_never_changes_the_greedy_text(quantized):
+    """Every schedule with the engine's placement and with the user's 1 or 2 threads gives round-based SAFE's
+    text on the same members."""
+    if quantized:
+        members = [int8_member("qwen2.5-7b-instruct", 1), int8_member("llama2", 2)]
+    else:
+        from tests.conftest import tiny_member
+
+        members = [tiny_member("qwen2.5-7b-instruct", 1), tiny_member("llama2", 2)]
+    ens = Ensemble(members)
+    ens.placement = None  # rounds on the caller's settings: the reference
+    reference = ens.generate(PROMPT, max_new_tokens=60, schedule="rounds", adaptive_draft=False)
+    assert reference.stats.ensembled_tokens > 0
+    process = torch.get_num_threads()
+    placements = [
+        Placement(2, 1, 1, 2, process, "engine"),
+        Placement(2, 1, 1, 1, process, "user"),
+        Placement(4, 2, 2, 2, process, "user"),
+    ]
+    for placement in placements:
+        ens.placement = placement
+        for options in SCHEDULES:
+            res = ens.generate(PROMPT, max_new_tokens=60, **options)
+            assert res.text == reference.text, (placement, options)
+            assert res.stats.ensembled_tokens == reference.stats.ensembled_tokens
