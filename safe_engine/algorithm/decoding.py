@@ -702,6 +702,7 @@ def _overlapped(gen: Generation) -> None:
     assert executor is not None, "the overlap schedule needs the lineup's executor (see Generation.can_overlap)"
     checks = [c for c in gen.verify() if c.job is not None]
     work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
+    reads_prompt = any(c.track.passes == 0 for c in checks)  # a verifier's first pass: the prompt too
     placement = gen.placement
     verifying = None
     if checks:
@@ -719,8 +720,8 @@ def _overlapped(gen: Generation) -> None:
         rows, verifiers_s = verifying.result() if verifying is not None else ([], None)  # never leave one running
     for check, check_rows in zip(checks, rows):
         check.take(check_rows)
-    if gen.schedule_gauge is not None and drafter_s and verifiers_s is not None:
-        gen.schedule_gauge.record_chunk(verifiers_s / drafter_s)
+    if gen.schedule_gauge is not None and drafter_s and verifiers_s is not None and not reads_prompt:
+        gen.schedule_gauge.record_chunk(verifiers_s / drafter_s, gen.config.draft_length)
 
 
 class ScheduleGauge:
@@ -732,9 +733,11 @@ class ScheduleGauge:
     of the drafter alone overlapped vs 0.77 in rounds), and so does a verifier set whose one-token pass
     outlasts a drafter step (Qwen-0.5B drafting for SmolLM2-135M + gemma-3-270m: 0.41 vs 0.56). So:
 
-    - the gauge times both schedules, in seconds per accepted token over `WINDOW` tokens each (a request's
-      first round, its prompt's, is not timed), runs the faster one and times the other again after every
-      `REPROBE` tokens, because the machine's load changes;
+    - the gauge times both schedules, in seconds per accepted token over `WINDOW` tokens each, interleaved
+      (the next round goes to the schedule with fewer tokens timed), so that both see the same stretch of
+      text: how often the ensemble replaces a token changes along an answer, and a replacement costs rounds
+      more than overlap. A request's first round, its prompt's, is not timed. Then it runs the faster one
+      and times both again after every `REPROBE` tokens, because the machine's load changes;
     - an overlapped round drafts a chunk of `chunk` tokens, grown by one while the verifiers' pass over a
       chunk outlasts the drafter's steps (median of `CHUNK_SAMPLES` rounds): a k-token pass costs little
       more than a one-token pass, so a chunk lets two verifiers keep up with one drafter. A grown chunk is
@@ -752,53 +755,46 @@ class ScheduleGauge:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.seconds_per_token: dict[str, float] = {}  # each schedule's last timed window
-        self._window = {s: (0.0, 0) for s in self.SCHEDULES}  # (seconds, tokens) of the window being timed
-        self._since = dict.fromkeys(self.SCHEDULES, 0)  # tokens decoded since each schedule was last timed
-        self._timing: str | None = None  # the schedule being timed now
         self.chunk = 1
         self._ratios: list[float] = []
+        self._start_timing()
+
+    def _start_timing(self) -> None:
+        self._window = {s: (0.0, 0) for s in self.SCHEDULES}  # (seconds, tokens) timed in this window
+        self._timing = True
+        self._since = 0  # tokens decoded since both were last timed
 
     def choose(self) -> str:
         """The schedule of a lone request's next round."""
         with self._lock:
-            if self._timing is None:
-                self._timing = next((s for s in self.SCHEDULES if s not in self.seconds_per_token), None)
-            if self._timing is not None:
-                return self._timing
-            best = min(self.SCHEDULES, key=self.seconds_per_token.__getitem__)
-            other = self.SCHEDULES[1 - self.SCHEDULES.index(best)]
-            if self._since[other] >= self.REPROBE:
-                self._timing = other
-                return other
-            return best
+            if self._timing:
+                return min(self.SCHEDULES, key=lambda s: self._window[s][1])  # fewer tokens timed; overlap first
+            return min(self.SCHEDULES, key=self.seconds_per_token.__getitem__)
 
     def record(self, schedule: str, seconds: float, tokens: int) -> None:
         """One lone request's round: its schedule, wall time and tokens accepted."""
         with self._lock:
-            for s in self.SCHEDULES:
-                if s != schedule:
-                    self._since[s] += tokens
-            spent, counted = self._window[schedule]
-            spent, counted = spent + seconds, counted + tokens
-            if counted < self.WINDOW:
-                self._window[schedule] = (spent, counted)
+            if not self._timing:
+                self._since += tokens
+                if self._since >= self.REPROBE:
+                    self._start_timing()
                 return
-            self.seconds_per_token[schedule] = spent / counted
-            self._window[schedule], self._since[schedule] = (0.0, 0), 0
-            if self._timing == schedule:
-                self._timing = None
+            spent, counted = self._window[schedule]
+            self._window[schedule] = (spent + seconds, counted + tokens)
+            if all(counted >= self.WINDOW for _, counted in self._window.values()):
+                self.seconds_per_token = {s: spent / counted for s, (spent, counted) in self._window.items()}
+                self._timing, self._since = False, 0
 
-    def record_chunk(self, ratio: float) -> None:
-        """One overlapped round: the verifiers' pass time over the drafter's steps beside it."""
+    def record_chunk(self, ratio: float, limit: int = MAX_CHUNK) -> None:
+        """One overlapped round: the verifiers' pass time over the drafter's steps beside it (`limit`: the
+        request's draft_length, the largest chunk it drafts)."""
         with self._lock:
             self._ratios.append(ratio)
             if len(self._ratios) < self.CHUNK_SAMPLES:
                 return
-            if statistics.median(self._ratios) > 1.0 and self.chunk < self.MAX_CHUNK:
-                self.chunk += 1  # overlap's timing so far was of smaller chunks: time it again
-                self._window["overlap"] = (0.0, 0)
-                self.seconds_per_token.pop("overlap", None)
-                self._timing = None
+            if statistics.median(self._ratios) > 1.0 and self.chunk < min(self.MAX_CHUNK, limit):
+                self.chunk += 1
+                self._start_timing()  # overlap's timing so far was of smaller chunks
             self._ratios.clear()
 
 

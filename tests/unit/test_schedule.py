@@ -38,7 +38,7 @@ def test_two_copies_give_the_models_own_text_in_every_schedule():
 @pytest.mark.parametrize("aggregation", ["unite", "gac"])
 def test_every_schedule_gives_the_same_greedy_text_across_tokenizer_families(members3, aggregation):
     ens = Ensemble(members3)
-    ens._schedule_gauge.record_chunk = lambda ratio: None  # overlap one token a round (chunks: below)
+    ens._schedule_gauge.record_chunk = lambda *timing: None  # overlap one token a round (chunks: below)
     results = [ens.generate(PROMPT, max_new_tokens=80, aggregation=aggregation, **o) for o in SCHEDULES]
     base = results[0]
     for res in results[1:]:
@@ -77,23 +77,26 @@ def test_auto_overlaps_a_lone_request_only_with_a_spare_core(members3):
     assert not ens._start(build_request(PROMPT, **{"schedule": "overlap", "method": "every_token"})).can_overlap
 
 
-def test_the_schedule_gauge_times_both_runs_the_faster_and_times_the_other_again():
+def test_the_schedule_gauge_times_both_interleaved_runs_the_faster_and_times_them_again():
     gauge = ScheduleGauge()
     assert gauge.choose() == "overlap"
-    gauge.record("overlap", 0.30, ScheduleGauge.WINDOW - 1)
-    assert gauge.choose() == "overlap"  # its window is not full yet
-    gauge.record("overlap", 0.10, 1)
-    assert gauge.choose() == "rounds"  # then the other schedule is timed
-    gauge.record("rounds", 0.80, ScheduleGauge.WINDOW)
-    assert gauge.seconds_per_token == {"overlap": 0.4 / ScheduleGauge.WINDOW, "rounds": 0.8 / ScheduleGauge.WINDOW}
-    assert gauge.choose() == "overlap"  # the faster one
-    gauge.record("overlap", 1.0, ScheduleGauge.REPROBE - 1)
+    gauge.record("overlap", 0.30, 3)
+    assert gauge.choose() == "rounds"  # interleaved: the schedule with fewer tokens timed goes next
+    gauge.record("rounds", 0.50, 5)
     assert gauge.choose() == "overlap"
-    gauge.record("overlap", 0.1, 1)
-    assert gauge.choose() == "rounds"  # REPROBE tokens later: timed again (a neighbour may have started)
-    assert gauge.seconds_per_token["overlap"] == pytest.approx(1.0 / (ScheduleGauge.REPROBE - 1))
-    gauge.record("rounds", 0.01, ScheduleGauge.WINDOW)
-    assert gauge.choose() == "rounds"  # now rounds is the faster one
+    gauge.record("overlap", 1.30, ScheduleGauge.WINDOW)
+    assert gauge.choose() == "rounds"  # overlap's window is full, rounds' is not
+    gauge.record("rounds", 1.10, ScheduleGauge.WINDOW)
+    want = {"overlap": 1.6 / (ScheduleGauge.WINDOW + 3), "rounds": 1.6 / (ScheduleGauge.WINDOW + 5)}
+    assert gauge.seconds_per_token == pytest.approx(want)
+    assert gauge.choose() == "rounds"  # the faster one, from now on
+    gauge.record("rounds", 1.0, ScheduleGauge.REPROBE - 1)
+    assert gauge.choose() == "rounds"
+    gauge.record("rounds", 0.1, 1)
+    assert gauge.choose() == "overlap"  # REPROBE tokens later both are timed again (a neighbour may have left)
+    gauge.record("overlap", 0.1, ScheduleGauge.WINDOW)
+    gauge.record("rounds", 3.0, ScheduleGauge.WINDOW)
+    assert gauge.choose() == "overlap"
 
 
 def test_the_overlap_chunk_grows_while_the_verifiers_cannot_keep_up():
@@ -109,6 +112,9 @@ def test_the_overlap_chunk_grows_while_the_verifiers_cannot_keep_up():
         gauge.record_chunk(ratio)
     assert gauge.chunk == 2
     for _ in range(10 * ScheduleGauge.CHUNK_SAMPLES * ScheduleGauge.MAX_CHUNK):
+        gauge.record_chunk(3.0, limit=5)
+    assert gauge.chunk == 5  # never past the request's draft_length
+    for _ in range(10 * ScheduleGauge.CHUNK_SAMPLES * ScheduleGauge.MAX_CHUNK):
         gauge.record_chunk(3.0)
     assert gauge.chunk == ScheduleGauge.MAX_CHUNK
 
@@ -118,7 +124,7 @@ def test_an_overlap_chunk_of_any_size_gives_the_rounds_text(members3, chunk):
     ens = Ensemble(members3)
     rounds = ens.generate(PROMPT, max_new_tokens=80, schedule="rounds")
     ens._schedule_gauge.chunk = chunk
-    ens._schedule_gauge.record_chunk = lambda ratio: None  # hold the chunk at its size
+    ens._schedule_gauge.record_chunk = lambda *timing: None  # hold the chunk at its size
     overlap = ens.generate(PROMPT, max_new_tokens=80, schedule="overlap")
     assert overlap.text == rounds.text
     assert overlap.stats.ensembled_tokens == rounds.stats.ensembled_tokens
@@ -139,6 +145,7 @@ def test_auto_falls_back_to_rounds_when_the_verifiers_cannot_keep_up(members3, m
 
     monkeypatch.setattr(verifier, "forward_many", sluggish)
     ens._schedule_gauge = ScheduleGauge()  # timed afresh, with the sluggish verifier
+    ens._schedule_gauge.record_chunk = lambda *timing: None  # one token a round (a chunk would hide the sleep)
     res = ens.generate(PROMPT, max_new_tokens=100)
     assert res.text == rounds_text  # the schedule changes mid-request; the greedy text does not
     timed = ens._schedule_gauge.seconds_per_token
