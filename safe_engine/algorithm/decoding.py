@@ -644,7 +644,8 @@ def _run_round(gens: Sequence[Generation]) -> None:
     placement = gens[0].placement
     if placement is not None:
         use_threads(placement.drafter if lone is not None else placement.batch, placement.process)
-    started, tokens, rounds = time.perf_counter(), gens[0].stats.tokens, gens[0].stats.rounds
+    started, rounds = time.perf_counter(), gens[0].stats.rounds
+    ahead = gens[0].stats.tokens + len(gens[0].pending)  # accepted + drafted ahead (carried into the round)
     live = []
     for gen in gens:
         try:
@@ -676,7 +677,10 @@ def _run_round(gens: Sequence[Generation]) -> None:
         raise
     gauge = lone.schedule_gauge if lone is not None else None
     if gauge is not None and lone is not None and lone.error is None and rounds > 0:  # not the prompt's round
-        gauge.record("overlap" if overlap else "rounds", time.perf_counter() - started, lone.stats.tokens - tokens)
+        # the round's progress: tokens accepted plus those carried ahead, less those it was handed (an overlapped
+        # round accepts what the round before drafted; a replacement drops what was drafted past it)
+        progress = lone.stats.tokens + len(lone.pending) - ahead
+        gauge.record("overlap" if overlap else "rounds", time.perf_counter() - started, progress)
 
 
 def _verify(work: Sequence[tuple[Track, Job]], live: Sequence[Generation]) -> list[list[Row]]:
@@ -733,11 +737,12 @@ class ScheduleGauge:
     of the drafter alone overlapped vs 0.77 in rounds), and so does a verifier set whose one-token pass
     outlasts a drafter step (Qwen-0.5B drafting for SmolLM2-135M + gemma-3-270m: 0.41 vs 0.56). So:
 
-    - the gauge times both schedules, in seconds per accepted token over `WINDOW` tokens each, interleaved
-      (the next round goes to the schedule with fewer tokens timed), so that both see the same stretch of
-      text: how often the ensemble replaces a token changes along an answer, and a replacement costs rounds
-      more than overlap. A request's first round, its prompt's, is not timed. Then it runs the faster one
-      and times both again after every `REPROBE` tokens, because the machine's load changes;
+    - the gauge times both schedules, in seconds per token of progress (accepted, plus drafted ahead and
+      carried, less what the round was handed) over `WINDOW` tokens each, in alternating blocks of `BLOCK`
+      tokens, so that both see nearby stretches of text: how often the ensemble replaces a token changes
+      along an answer, and a replacement costs rounds more than overlap. A request's first round (its
+      prompt's) and the first round after a switch are not timed. Then it runs the faster one and times
+      both again after every `REPROBE` tokens, because the machine's load changes;
     - an overlapped round drafts a chunk of `chunk` tokens, grown by one while the verifiers' pass over a
       chunk outlasts the drafter's steps (median of `CHUNK_SAMPLES` rounds): a k-token pass costs little
       more than a one-token pass, so a chunk lets two verifiers keep up with one drafter. A grown chunk is
@@ -748,6 +753,7 @@ class ScheduleGauge:
 
     SCHEDULES = ("overlap", "rounds")
     WINDOW = 16
+    BLOCK = 8
     REPROBE = 512
     CHUNK_SAMPLES = 4
     MAX_CHUNK = 8
@@ -757,33 +763,46 @@ class ScheduleGauge:
         self.seconds_per_token: dict[str, float] = {}  # each schedule's last timed window
         self.chunk = 1
         self._ratios: list[float] = []
+        self._last: str | None = None  # the schedule of the last round recorded
         self._start_timing()
 
     def _start_timing(self) -> None:
         self._window = {s: (0.0, 0) for s in self.SCHEDULES}  # (seconds, tokens) timed in this window
         self._timing = True
+        self._block, self._block_tokens = "overlap", 0  # the schedule timed now, and its tokens so far
         self._since = 0  # tokens decoded since both were last timed
 
     def choose(self) -> str:
         """The schedule of a lone request's next round."""
         with self._lock:
             if self._timing:
-                return min(self.SCHEDULES, key=lambda s: self._window[s][1])  # fewer tokens timed; overlap first
+                return self._block
             return min(self.SCHEDULES, key=self.seconds_per_token.__getitem__)
 
     def record(self, schedule: str, seconds: float, tokens: int) -> None:
-        """One lone request's round: its schedule, wall time and tokens accepted."""
+        """One lone request's round: its schedule, wall time and progress in tokens. The first round after a
+        switch is not timed: it inherits the other schedule's work (rounds verify what overlap drafted
+        ahead; overlap's first round drafts with nothing to verify)."""
         with self._lock:
+            switched, self._last = schedule != self._last, schedule
             if not self._timing:
                 self._since += tokens
                 if self._since >= self.REPROBE:
                     self._start_timing()
+                return
+            if switched:
                 return
             spent, counted = self._window[schedule]
             self._window[schedule] = (spent + seconds, counted + tokens)
             if all(counted >= self.WINDOW for _, counted in self._window.values()):
                 self.seconds_per_token = {s: spent / counted for s, (spent, counted) in self._window.items()}
                 self._timing, self._since = False, 0
+                return
+            if schedule == self._block:
+                self._block_tokens += tokens
+                other = self.SCHEDULES[1 - self.SCHEDULES.index(schedule)]
+                if self._block_tokens >= self.BLOCK and self._window[other][1] < self.WINDOW:
+                    self._block, self._block_tokens = other, 0
 
     def record_chunk(self, ratio: float, limit: int = MAX_CHUNK) -> None:
         """One overlapped round: the verifiers' pass time over the drafter's steps beside it (`limit`: the

@@ -77,32 +77,36 @@ def test_auto_overlaps_a_lone_request_only_with_a_spare_core(members3):
     assert not ens._start(build_request(PROMPT, **{"schedule": "overlap", "method": "every_token"})).can_overlap
 
 
-def test_the_schedule_gauge_times_both_interleaved_runs_the_faster_and_times_them_again():
-    gauge = ScheduleGauge()
-    assert gauge.choose() == "overlap"
-    gauge.record("overlap", 0.30, 3)
-    assert gauge.choose() == "rounds"  # interleaved: the schedule with fewer tokens timed goes next
-    gauge.record("rounds", 0.50, 5)
-    assert gauge.choose() == "overlap"
-    gauge.record("overlap", 1.30, ScheduleGauge.WINDOW)
-    assert gauge.choose() == "rounds"  # overlap's window is full, rounds' is not
-    gauge.record("rounds", 1.10, ScheduleGauge.WINDOW)
-    want = {"overlap": 1.6 / (ScheduleGauge.WINDOW + 3), "rounds": 1.6 / (ScheduleGauge.WINDOW + 5)}
-    assert gauge.seconds_per_token == pytest.approx(want)
-    assert gauge.choose() == "rounds"  # the faster one, from now on
-    gauge.record("rounds", 1.0, ScheduleGauge.REPROBE - 1)
+def test_the_schedule_gauge_times_both_in_blocks_runs_the_faster_and_times_them_again():
+    gauge, block = ScheduleGauge(), ScheduleGauge.BLOCK
+    timed = []
+
+    def round_of(seconds: float, tokens: int) -> None:
+        schedule = gauge.choose()
+        timed.append(schedule)
+        gauge.record(schedule, seconds, tokens)
+
+    for _ in range(block + 1):  # the first round after a switch (here: the first ever) is not timed
+        round_of(0.1 if gauge.choose() == "overlap" else 0.5, 1)
+    assert timed == ["overlap"] * (block + 1)
+    while gauge._timing:
+        round_of(0.1 if gauge.choose() == "overlap" else 0.5, 1)
+    assert timed.count("rounds") == 2 * (block + 1)  # two blocks each, alternating
+    assert gauge.seconds_per_token == pytest.approx({"overlap": 0.1, "rounds": 0.5})
+    assert gauge.choose() == "overlap"  # the faster one, from now on
+    gauge.record("overlap", 1.0, ScheduleGauge.REPROBE - 1)
+    assert not gauge._timing
+    gauge.record("overlap", 0.1, 1)
+    assert gauge._timing  # REPROBE tokens later both are timed again (a neighbour may have started)
+    while gauge._timing:
+        round_of(0.3 if gauge.choose() == "overlap" else 0.2, 1)
     assert gauge.choose() == "rounds"
-    gauge.record("rounds", 0.1, 1)
-    assert gauge.choose() == "overlap"  # REPROBE tokens later both are timed again (a neighbour may have left)
-    gauge.record("overlap", 0.1, ScheduleGauge.WINDOW)
-    gauge.record("rounds", 3.0, ScheduleGauge.WINDOW)
-    assert gauge.choose() == "overlap"
 
 
 def test_the_overlap_chunk_grows_while_the_verifiers_cannot_keep_up():
     gauge = ScheduleGauge()
-    gauge.record("overlap", 10.0, ScheduleGauge.WINDOW)
-    gauge.record("rounds", 1.0, ScheduleGauge.WINDOW)
+    for schedule, seconds in (("overlap", 10.0), ("overlap", 10.0), ("rounds", 1.0), ("rounds", 1.0)):
+        gauge.record(schedule, seconds, ScheduleGauge.WINDOW)  # each schedule's first round is not timed
     assert gauge.choose() == "rounds"  # one token a round is slow: the verifiers made the drafter wait
     for ratio in (1.8, 1.7, 0.2, 1.9):  # median 1.75
         gauge.record_chunk(ratio)
@@ -132,8 +136,8 @@ def test_an_overlap_chunk_of_any_size_gives_the_rounds_text(members3, chunk):
     assert (chunk - 0.5) * overlap.stats.rounds <= drafted <= chunk * overlap.stats.rounds  # a chunk a round
 
 
-def test_auto_falls_back_to_rounds_when_the_verifiers_cannot_keep_up(members3, monkeypatch):
-    ens = Ensemble(members3)
+def test_auto_falls_back_to_rounds_when_the_verifiers_cannot_keep_up(monkeypatch):
+    ens = Ensemble([tiny_member("llama2", 7), tiny_member("llama2", 7)])  # no replacement: rounds draft 5 a pass
     ens.placement = SPARE
     rounds_text = ens.generate(PROMPT, max_new_tokens=100, schedule="rounds").text
     verifier = ens.members[1]
