@@ -29,12 +29,12 @@ def test_greedy_is_identical_across_runs_and_apis(ens3, method, aggregation):
     first = results[0]
     check_invariants(first, 12)
     for res in results[1:]:
-        assert (res.text, res.finish_reason, res.stats.tokens, res.stats.ensembled_tokens, res.stats.rounds) == (
+        # not the rounds: schedule="auto" picks each round's schedule from timings (the text does not depend on it)
+        assert (res.text, res.finish_reason, res.stats.tokens, res.stats.ensembled_tokens) == (
             first.text,
             first.finish_reason,
             first.stats.tokens,
             first.stats.ensembled_tokens,
-            first.stats.rounds,
         )
 
 
@@ -51,7 +51,7 @@ def test_sampling_is_identical_for_the_same_seed(ens2, method):
     cfg = GenerationConfig(method=method, do_sample=True, temperature=1.3, top_p=0.95, seed=1234, max_new_tokens=12)
     runs = [run(ens2, how, config=cfg) for how in ("generate", "generate", "generate", "stream")]
     assert len({r.text for r in runs}) == 1
-    assert len({(r.stats.tokens, r.stats.ensembled_tokens, r.stats.rounds) for r in runs}) == 1
+    assert len({(r.stats.tokens, r.stats.ensembled_tokens) for r in runs}) == 1  # rounds: auto times schedules
     others = {ens2.generate(PROMPT, config=cfg.updated(seed=s)).text for s in range(3)}
     assert len(others | {runs[0].text}) > 1  # the seed matters
 
