@@ -71,10 +71,7 @@ def plan_placement(weight_bytes: Sequence[int], drafter: int) -> Placement:
 
 def available_cores() -> int:
     """CPUs this process may run on (its affinity mask: a container's or taskset's limit counts)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return len(_affinity())
 
 
 def threads_chosen_by_user(current: int) -> bool:
@@ -100,7 +97,7 @@ def physical_cores() -> int:
 def _affinity() -> set[int]:
     try:
         return os.sched_getaffinity(0)
-    except AttributeError:
+    except AttributeError:  # not Linux
         return set(range(os.cpu_count() or 1))
 
 
