@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from safe_engine.runtime.placement import available_cores
+
 DRAFTER, VERIFIER = "qwen2.5-coder-0.5b", "smollm2-135m"
 PROMPT = "Explain in two sentences why the sky is blue."
 MAX_NEW_TOKENS = 96
@@ -77,7 +79,7 @@ def main() -> int:
         print(json.dumps({"pair": i, "ratio": round(pairs[-1]["ratio"], 3)}), file=sys.stderr, flush=True)
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "cores": len(os.sched_getaffinity(0)),
+        "cores": available_cores(),
         "thread_environment": env_threads or "none (torch's default)",
         "command": f"safe-engine generate --chat -m {DRAFTER} -m {VERIFIER} --max-new-tokens {MAX_NEW_TOKENS}",
         "pairs": pairs,

@@ -690,12 +690,14 @@ def _verify(work: Sequence[tuple[Track, Job]], live: Sequence[Generation]) -> li
     placement = live[0].placement if live else None
     executor = live[0].executor if live else None
     if len(live) == 1 and placement is not None and executor is not None and work:
-        return executor.submit(_on_threads, placement.verifiers, placement.process, _score_all, work).result()
+        return executor.submit(_on_verifier_threads, placement, _score_all, work).result()
     return _score_all(work, _executor(live))
 
 
-def _on_threads(count: int, process: int, fn: Any, *args: Any) -> Any:
-    use_threads(count, process)
+def _on_verifier_threads(placement: Placement | None, fn: Any, *args: Any) -> Any:
+    """`fn(*args)` with the verifiers' thread count, where the engine places threads."""
+    if placement is not None:
+        use_threads(placement.verifiers, placement.process)
     return fn(*args)
 
 
@@ -707,13 +709,7 @@ def _overlapped(gen: Generation) -> None:
     checks = [c for c in gen.verify() if c.job is not None]
     work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
     reads_prompt = any(c.track.passes == 0 for c in checks)  # a verifier's first pass: the prompt too
-    placement = gen.placement
-    verifying = None
-    if checks:
-        if placement is not None:
-            verifying = executor.submit(_timed, _on_threads, placement.verifiers, placement.process, _score_all, work)
-        else:
-            verifying = executor.submit(_timed, _score_all, work)
+    verifying = executor.submit(_timed, _on_verifier_threads, gen.placement, _score_all, work) if checks else None
     drafter_s = 0.0
     try:
         while gen.drafting:
