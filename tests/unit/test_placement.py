@@ -109,3 +109,31 @@ def test_the_placement_never_changes_the_greedy_text(quantized):
             res = ens.generate(PROMPT, max_new_tokens=60, **options)
             assert res.text == reference.text, (placement, options)
             assert res.stats.ensembled_tokens == reference.stats.ensembled_tokens
+
+
+def test_every_door_gets_the_engines_placement_or_keeps_the_users_threads(machine, model_dirs):
+    """The engine, the CLI's loader (which `generate` and `serve` share), LangChain (SafeLLM, ChatSafe) and
+    LlamaIndex all decode through an `Ensemble` that placed its work, or kept the user's thread count."""
+    from langchain_safe import ChatSafe
+    from langchain_safe import SafeLLM as LangChainLLM
+    from llamaindex_safe import SafeLLM as LlamaIndexLLM
+    from safe_engine.cli import build_parser
+    from safe_engine.cli.args import load
+
+    serve = ["serve", "-m", model_dirs[0], "-m", model_dirs[1]]
+
+    def placements() -> list[Placement | None]:
+        return [
+            Ensemble.from_pretrained(model_dirs).placement,
+            load(build_parser().parse_args(serve), announce=False).placement,
+            LangChainLLM(models=model_dirs).get_ensemble().placement,
+            ChatSafe(models=model_dirs).get_ensemble().placement,
+            LlamaIndexLLM(models=model_dirs).ensemble.placement,
+        ]
+
+    machine(2)
+    engine = placements()
+    assert all(p is not None and p.chosen_by == "engine" and (p.drafter, p.verifiers) == (1, 1) for p in engine)
+    assert len(set(engine)) == 1
+    machine(2, torch_threads=1)  # torch.set_num_threads(1) in the user's script
+    assert all(p is not None and p.chosen_by == "user" and p.drafter == p.verifiers == 1 for p in placements())
