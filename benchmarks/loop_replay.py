@@ -6,6 +6,8 @@ ensemble did before and inside each loop.
     python benchmarks/loop_replay.py replay --rows UniTE+SAFE GaC+SAFE --healing on \
         --out benchmarks/results/accuracy/loop_replay/healed.jsonl          # the same answers, healed
     python benchmarks/loop_replay.py analyze benchmarks/results/accuracy/loop_replay/reference.jsonl
+    python benchmarks/loop_replay.py alone \
+        --out benchmarks/results/accuracy/loop_replay/alone.jsonl           # whose loop is it?
 
 `replay` decodes, for each task and row, the problems whose study answer loops (`summarize.loops`) with the
 study's prompts, members, budgets and batching (8 at once), greedy, and appends one JSON line per answer:
@@ -15,6 +17,12 @@ replacements that swapped the drafted token for a piece of it (" electrons" -> "
 leave the drafter's ids non-canonical (a token end its tokenizer would not put there), where each loop starts
 (the earliest offset from which the text repeats with its final period) relative to where it left the
 drafter's own answer and to the last replacement, and the ensemble points inside the loop.
+
+`alone` asks, for each answer that still loops in the re-run (`rerun-31/`, token healing on), whose loop it
+is: each member alone, greedy, is handed the prompt and the ensemble's text up to a word start after the
+loop's first full period, and writes as many tokens as the next period takes in its own tokenization. If the
+member alone writes the next period, the repetition is that member's own greedy continuation of the path:
+the ensemble led there, but no ensemble point is needed to keep it going.
 """
 
 from __future__ import annotations
@@ -138,6 +146,57 @@ def analyze(args: argparse.Namespace) -> None:
     print(json.dumps({"counts": dict(counts), "pieces": dict(pieces.most_common(20))}, indent=1))
 
 
+def alone(args: argparse.Namespace) -> None:
+    import torch
+
+    from safe_engine.eval import build_prompt
+    from safe_engine.shaping.chat import chat_prompt_ids
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    done = set()
+    if out.exists():
+        done = {(r["task"], r["config"], r["problem_id"]) for r in map(json.loads, out.read_text().splitlines())}
+    members = {name: member(name) for name in (DRAFTER, "smollm2-135m")}
+    for task in TASKS:
+        problems = {p.id: p for p in load_problems(task, 150)}
+        rerun = records(STUDY / "rerun-31", task)
+        for row in args.rows:
+            for i, r in rerun.get(row, {}).items():
+                found = loop_start(r["text"]) if looping(r) else None
+                if found is None or (task, row, i) in done:
+                    continue
+                text, (start, period) = r["text"], found
+                cut = next((c for c in range(start + period, len(text) - period) if text[c] in " \n"), None)
+                if cut is None:
+                    continue
+                expected = text[cut : cut + period]
+                record: dict[str, Any] = {"task": task, "config": row, "problem_id": i, "period": period}
+                for name, m in members.items():
+                    ids = chat_prompt_ids(m, build_prompt(problems[i], chat=True))
+                    ids += m.tokenizer.encode(text[:cut], add_special_tokens=False)
+                    budget = len(m.tokenizer.encode(expected, add_special_tokens=False)) + 4
+                    with torch.inference_mode():
+                        new = m.model.generate(
+                            input_ids=torch.tensor([ids], device=m.device),
+                            max_new_tokens=budget,
+                            do_sample=False,
+                            pad_token_id=sorted(m.eos_ids)[0],
+                        )[0, len(ids) :]
+                    written = m.tokenizer.decode(new, skip_special_tokens=True)
+                    record[name] = {"repeats": written.startswith(expected), "written": written}
+                with out.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(record) + "\n")
+                print(
+                    f"{task} {row} {i}: " + ", ".join(f"{n} {record[n]['repeats']}" for n in members), file=sys.stderr
+                )
+    counts: Counter = Counter()
+    for r in map(json.loads, out.read_text(encoding="utf-8").splitlines()):
+        who = [n for n in members if r[n]["repeats"]]
+        counts[(r["task"], r["config"], " and ".join(who) or "neither: the ensemble's picks")] += 1
+    print(json.dumps([{"task": t, "row": c, "repeated by": w, "loops": n} for (t, c, w), n in sorted(counts.items())]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -148,8 +207,12 @@ def main() -> None:
     r.add_argument("--out", required=True)
     a = sub.add_parser("analyze")
     a.add_argument("records")
+    b = sub.add_parser("alone")
+    b.add_argument("--rows", nargs="+", default=["UniTE+SAFE", "GaC+SAFE"])
+    b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--out", required=True)
     args = p.parse_args()
-    replay(args) if args.command == "replay" else analyze(args)
+    {"replay": replay, "analyze": analyze, "alone": alone}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ token). "After" is `rerun-31/`: the same harness, problems and budgets with the 
 handover (`token_healing=True`, the default since issue 31). Per task and row, on the problems both runs of
 that row and the drafter alone answered: the share of answers cut in a loop (`summarize.loops`), accuracy,
 and the paired comparison with the drafter alone (difference with a paired bootstrap interval, McNemar's
-exact p). The loop guard's rows are exact replays of the same records: a greedy answer with the guard on is
-the answer without it, ended at the first token where the guard fires (`guarded`), so it needs no run; its
-accuracy is the truncated text scored again.
+exact p). "Lost to loops" counts the problems the drafter alone solved where the row's answer loops; "shared"
+the row's loops on problems where the drafter alone loops too. The target of issue 31 is in loops: a pair
+within one problem of the drafter alone, three members no more than their loopiest-but-one member (SmolLM2
+alone; gemma alone loops on most answers). The loop guard's rows are exact replays of the same records: a
+greedy answer with the guard on is the answer without it, ended at the first token where the guard fires
+(`guarded`), so it needs no run; its accuracy is the truncated text scored again.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from safe_engine.eval import bootstrap_difference, load_task, mcnemar, score  # 
 TASKS = ("mmlu-redux", "arc", "gsm8k")
 ROWS = ("UniTE+SAFE", "GaC+SAFE", "UniTE+SAFE (3 models)", "UniTE every token")
 DRAFTER = "qwen alone"
+SECOND = "smollm2 alone"  # the three-member row's loopiest-but-one member
 GUARD = (3, 32)  # loop_guard, loop_span: the documented setting
 
 
@@ -75,7 +79,7 @@ def compare(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:
 def task_table(task: str) -> list[dict[str, Any]]:
     before, after = records(HERE, task), records(HERE / "rerun-31", task)
     problems = {p.id: p for p in load_task(task, limit=150)}
-    drafter = before[DRAFTER]
+    drafter, second = before[DRAFTER], before[SECOND]
     out = []
     for row in ROWS:
         old, new = before.get(row, {}), after.get(row, {})
@@ -85,12 +89,21 @@ def task_table(task: str) -> list[dict[str, Any]]:
         base = [bool(drafter[i]["correct"]) for i in ids]
         entry: dict[str, Any] = {"task": task, "row": row, "n": len(ids), "rerun": all(i in new for i in ids)}
         entry["drafter"] = {"loops": sum(looping(drafter[i]) for i in ids) / len(ids), "accuracy": sum(base) / len(ids)}
+        if "3 models" in row:
+            target = sum(looping(second[i]) for i in ids)
+        else:
+            target = sum(looping(drafter[i]) for i in ids) + 1
+        entry["target_loops"] = target
         for name, recs in (("before", old), ("after", new if entry["rerun"] else {})):
             if not recs:
                 continue
             correct = [bool(recs[i]["correct"]) for i in ids]
+            loop_ids = [i for i in ids if looping(recs[i])]
             entry[name] = {
-                "loops": sum(looping(recs[i]) for i in ids) / len(ids),
+                "loops": len(loop_ids) / len(ids),
+                "loop_count": len(loop_ids),
+                "lost_to_loops": sum(bool(drafter[i]["correct"]) for i in loop_ids),
+                "loops_shared_with_drafter": sum(looping(drafter[i]) for i in loop_ids),
                 "accuracy": sum(correct) / len(ids),
                 "vs_drafter": compare(correct, base),
             }
@@ -115,17 +128,30 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "Written by `python benchmarks/results/accuracy/loops.py`. Loops: answers cut at the budget whose last "
         "40 characters occur 3+ times in their last 1,500 (the study's criterion). Guard: `loop_guard=3, "
         "loop_span=32` applied to the same answers (exact for greedy decoding: see the script). Δ: row − drafter "
-        "alone (qwen), points, with the paired 95 % bootstrap interval and McNemar's exact p.",
+        "alone (qwen), points, with the paired 95 % bootstrap interval and McNemar's exact p. Target: issue 31's "
+        "bound on the loop count (a pair: the drafter's loops + 1; three members: SmolLM2 alone's loops). Lost to "
+        "loops: problems the drafter alone solved where the row's answer loops. Shared: the row's loops on "
+        "problems where the drafter alone loops too.",
         "",
-        "| Task | Row | n | Drafter loops (%) | Loops before (%) | Loops after (%) | Acc. drafter | Acc. before | "
+        "| Task | Row | n | Drafter loops (%) | Loops before (%) | Loops after (%) | Loops after / target (count) | "
+        "Lost to loops, before / after | Shared with drafter, after | Acc. drafter | Acc. before | "
         "Acc. after | Δ after (95 % CI), p | Guard fires, before / after (%) | Δ with guard, before / after |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         before, after = r["before"], r.get("after")
         guards = [r[k] for k in ("before_guard", "after_guard") if k in r]
         cells = [r["task"], r["row"], str(r["n"]), pct(r["drafter"]["loops"]), pct(before["loops"])]
-        cells.append("(rerun pending)" if after is None else pct(after["loops"]))
+        if after is None:
+            cells += ["not re-run", "", f"{before['lost_to_loops']} / –", ""]
+        else:
+            met = "met" if after["loop_count"] <= r["target_loops"] else "missed"
+            cells += [
+                pct(after["loops"]),
+                f"{after['loop_count']} / {r['target_loops']} ({met})",
+                f"{before['lost_to_loops']} / {after['lost_to_loops']}",
+                str(after["loops_shared_with_drafter"]),
+            ]
         cells += [
             pct(r["drafter"]["accuracy"]),
             pct(before["accuracy"]),
