@@ -8,6 +8,7 @@ ensemble did before and inside each loop.
     python benchmarks/loop_replay.py analyze benchmarks/results/accuracy/loop_replay/reference.jsonl
     python benchmarks/loop_replay.py alone \
         --out benchmarks/results/accuracy/loop_replay/alone.jsonl           # whose loop is it?
+    python benchmarks/loop_replay.py verifier gsm8k/81                      # the verifier's rows, checked
 
 `replay` decodes, for each task and row, the problems whose study answer loops (`summarize.loops`) with the
 study's prompts, members, budgets and batching (8 at once), greedy, and appends one JSON line per answer:
@@ -23,6 +24,10 @@ is: each member alone, greedy, is handed the prompt and the ensemble's text up t
 loop's first full period, and writes as many tokens as the next period takes in its own tokenization. If the
 member alone writes the next period, the repetition is that member's own greedy continuation of the path:
 the ensemble led there, but no ensemble point is needed to keep it going.
+
+`verifier` decodes one re-run UniTE+SAFE answer again and checks every distribution the verifier gave an
+ensemble point (its cache cropped and re-encoded from its frozen prefix round after round) against a fresh
+forward over the same ids: a stale cache would favour repeating what it has already seen.
 """
 
 from __future__ import annotations
@@ -197,6 +202,43 @@ def alone(args: argparse.Namespace) -> None:
     print(json.dumps([{"task": t, "row": c, "repeated by": w, "loops": n} for (t, c, w), n in sorted(counts.items())]))
 
 
+def verifier(args: argparse.Namespace) -> None:
+    import torch
+
+    from safe_engine import Ensemble
+    from safe_engine.algorithm import alignment
+    from safe_engine.eval import build_prompt
+
+    torch.set_num_threads(args.threads)
+    task = args.problem.split("/")[0]
+    problem = {p.id: p for p in load_problems(task, 150)}[args.problem]
+    seen: list[tuple[list[int], torch.Tensor]] = []
+    view = alignment.Verification.view
+
+    def recording(self: alignment.Verification, offset: int, final: bool) -> Any:
+        row, own, cut = view(self, offset, final)
+        k = self.starts.index(offset) if offset in self.starts else len(self.ids)
+        head = self.track.prompt_len + self.track.frozen_ids
+        seen.append((list(self.track.ids[:head]) + list(self.ids[:k]), row.full().clone()))
+        return row, own, cut
+
+    alignment.Verification.view = recording  # type: ignore[method-assign]
+    qwen, smol = member(DRAFTER), member("smollm2-135m")
+    res = Ensemble([qwen, smol]).generate(
+        messages=build_prompt(problem, chat=True), max_new_tokens=MAX_NEW_TOKENS[task], schedule="rounds"
+    )
+    alignment.Verification.view = view  # type: ignore[method-assign]
+    worst, argmax_differs = 0.0, 0
+    with torch.inference_mode():
+        for ids, values in seen:
+            fresh = torch.log_softmax(smol.model(torch.tensor([ids])).logits[0, -1].float(), -1)[: values.shape[-1]]
+            worst = max(worst, float((fresh - values.float()).abs().max()))
+            argmax_differs += int(fresh.argmax()) != int(values.argmax())
+    study_text = records(STUDY / "rerun-31", task)["UniTE+SAFE"][args.problem]["text"]
+    result = {"problem": args.problem, "same_text_as_rerun": res.text == study_text, "views": len(seen)}
+    print(json.dumps(result | {"max_abs_logprob_diff": worst, "argmax_differs": argmax_differs}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -211,8 +253,11 @@ def main() -> None:
     b.add_argument("--rows", nargs="+", default=["UniTE+SAFE", "GaC+SAFE"])
     b.add_argument("--threads", type=int, default=1)
     b.add_argument("--out", required=True)
+    v = sub.add_parser("verifier")
+    v.add_argument("problem")
+    v.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
-    {"replay": replay, "analyze": analyze, "alone": alone}[args.command](args)
+    {"replay": replay, "analyze": analyze, "alone": alone, "verifier": verifier}[args.command](args)
 
 
 if __name__ == "__main__":
