@@ -198,7 +198,7 @@ def alone(args: argparse.Namespace) -> None:
     counts: Counter = Counter()
     for r in map(json.loads, out.read_text(encoding="utf-8").splitlines()):
         who = [n for n in members if r[n]["repeats"]]
-        counts[(r["task"], r["config"], " and ".join(who) or "neither: the ensemble's picks")] += 1
+        counts[(r["task"], r["config"], " and ".join(who) or "neither")] += 1
     print(json.dumps([{"task": t, "row": c, "repeated by": w, "loops": n} for (t, c, w), n in sorted(counts.items())]))
 
 
