@@ -57,6 +57,13 @@ def study(task: str) -> dict[str, dict[str, dict[str, Any]]]:
     return records(STUDY, task)
 
 
+def answered(out: Path) -> set[tuple[str, str, str]]:
+    """(task, row, problem id) of the records already in `out`: a resumed run skips them."""
+    if not out.exists():
+        return set()
+    return {(r["task"], r["config"], r["problem_id"]) for r in map(json.loads, out.read_text().splitlines())}
+
+
 def replay(args: argparse.Namespace) -> None:
     import torch
 
@@ -66,9 +73,7 @@ def replay(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if out.exists():
-        done = {(r["task"], r["config"], r["problem_id"]) for r in map(json.loads, out.read_text().splitlines())}
+    done = answered(out)
     ens = Ensemble([member(DRAFTER), member("smollm2-135m")], max_batch_size=8)
     for task in TASKS:
         problems = {p.id: p for p in load_problems(task, 150)}
@@ -159,9 +164,7 @@ def alone(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    done = set()
-    if out.exists():
-        done = {(r["task"], r["config"], r["problem_id"]) for r in map(json.loads, out.read_text().splitlines())}
+    done = answered(out)
     members = {name: member(name) for name in (DRAFTER, "smollm2-135m")}
     for task in TASKS:
         problems = {p.id: p for p in load_problems(task, 150)}
