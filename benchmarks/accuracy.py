@@ -15,8 +15,9 @@ at "\\nQuestion:", where it would start inventing the next question). Rows (conf
 alone; every-token UniTE and GaC (the faithful baselines: no SAFE gate; GaC keeps its own "drafter's top
 probability < 0.5" gate, as GaC itself does); UniTE+SAFE and GaC+SAFE; the extended rows
 (each SAFE gate alone, UniTE+SAFE sampling at temperature 0.7 with three seeds, SmolLM2 drafting); and with
-gemma: SAFE over three members with each of them drafting. Without --configs the pair's rows run; --three adds
-the gemma rows. A member is loaded only when a selected row needs it.
+gemma: SAFE over three members with each of them drafting; and issue 31's loop-steering rows (`loop_steer`).
+Without --configs the pair's rows run; --three adds the gemma rows. A member is loaded only when a selected row
+needs it.
 
 Which problems (the same for every row, deterministic): gsm8k and arc the first LIMIT problems in file order;
 bbh the first LIMIT / len(subtasks) problems of each subtask in file order; mmlu-redux the
@@ -34,6 +35,7 @@ over processes with one torch thread each (decoding is memory-bound, so two 1-th
 the work of one 2-thread process), each appending to its own part file OUT/TASK.NAME.jsonl:
     python benchmarks/accuracy.py --threads 1 --configs "qwen alone" "smollm2 alone"
     python benchmarks/accuracy.py --threads 1 --configs UniTE+SAFE --jsonl benchmarks/results/gsm8k.safe.jsonl
+`--ids FILE` runs only the listed problems (issue 31 decodes only the answers loop steering can change).
 The report (and benchmarks/results/accuracy/summarize.py) reads TASK.jsonl and every part TASK.*.jsonl;
 `--report-only` rewrites it (adding any --jsonl files kept elsewhere).
 """
@@ -79,6 +81,9 @@ MAX_NEW_TOKENS: dict[str, int] = {"gsm8k": 1024, "arc": 512, "bbh": 512, "mmlu-r
 
 #: Ensemble rows hand the engine this many times --ensemble-batch problems at once (see config_factories).
 SUBMITTED = 4
+
+#: The loop-steering rows' loop_steer (with loop_span at its default, 32): steer from the second copy on.
+LOOP_STEER = 2
 
 #: BBH subtasks of the study: short answers (True/False, Yes/No, a count) that tiny models can attempt.
 BBH_SUBTASKS = ("boolean_expressions", "navigate", "object_counting", "sports_understanding", "web_of_lies")
@@ -157,6 +162,10 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
         "UniTE+SAFE (3 models)": ens(three(), method="safe"),
         "UniTE+SAFE (3 models), smollm2 drafts": ens(three(1), method="safe"),
         "UniTE+SAFE (3 models), gemma drafts": ens(three(2), method="safe"),
+        # issue 31: steering away from repetitions at the ensemble points (loop_steer, off by default)
+        "UniTE+SAFE, loop steering": ens(pair, method="safe", aggregation="unite", loop_steer=LOOP_STEER),
+        "GaC+SAFE, loop steering": ens(pair, method="safe", aggregation="gac", loop_steer=LOOP_STEER),
+        "UniTE+SAFE (3 models), loop steering": ens(three(), method="safe", loop_steer=LOOP_STEER),
     }
 
 
@@ -165,6 +174,7 @@ _GEMMA_ROWS = (
     "UniTE+SAFE (3 models)",
     "UniTE+SAFE (3 models), smollm2 drafts",
     "UniTE+SAFE (3 models), gemma drafts",
+    "UniTE+SAFE (3 models), loop steering",
 )
 
 
@@ -228,6 +238,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="first of the three seeds of the sampling rows")
     p.add_argument("--three", action="store_true", help="without --configs: also run the gemma-3-270m rows")
     p.add_argument("--configs", nargs="+", help="subset of configuration names to run")
+    p.add_argument("--ids", help="file of problem ids, one per line: run only those of the selected problems")
     p.add_argument("--batch", type=int, default=16, help="problems per generate call for single-model rows")
     p.add_argument("--ensemble-batch", type=int, default=8, help="problems decoded at once by ensemble rows")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -248,6 +259,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     problems = load_problems(args.task, args.limit, args.start, subtasks)
+    if args.ids:
+        wanted = set(Path(args.ids).read_text(encoding="utf-8").split())
+        problems = [q for q in problems if q.id in wanted]
     factories = config_factories(problems, args)
     names = args.configs or [n for n in factories if args.three or n not in _GEMMA_ROWS]
     unknown = [n for n in names if n not in factories]

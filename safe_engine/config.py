@@ -105,7 +105,18 @@ class GenerationConfig:
             "cli": {"metavar": "REPEATS"},
         },
     )
-    loop_span: int = field(default=32, metadata={"doc": "shortest repeated stretch, in bytes, the loop guard counts"})
+    loop_steer: int | None = field(
+        default=None,
+        metadata={
+            "doc": "steer away from a repetition: at an ensemble point, keep the drafter's own token where the "
+            "ensemble's pick would make the answer end in a stretch of at least loop_span bytes occurring this "
+            "many times in a row and the drafter's token would not; None: off (the paper's method)",
+            "cli": {"metavar": "REPEATS"},
+        },
+    )
+    loop_span: int = field(
+        default=32, metadata={"doc": "shortest repeated stretch, in bytes, the loop guard and loop steering count"}
+    )
     timeout_s: float | None = field(
         default=None, metadata={"doc": "wall-clock limit of one generation in seconds (GenerationTimeout)"}
     )
@@ -189,6 +200,8 @@ class GenerationConfig:
             raise ConfigError(f"token_healing must be True or False, got {self.token_healing!r}")
         if self.loop_guard is not None:
             _int_at_least("loop_guard", self.loop_guard, 2)
+        if self.loop_steer is not None:
+            _int_at_least("loop_steer", self.loop_steer, 2)
         _int_at_least("loop_span", self.loop_span, 1)
         if self.timeout_s is not None and (
             isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0

@@ -23,6 +23,7 @@ class EnsembleStats:
     replaced_tokens: int = 0  # ensemble points whose choice differed from the drafted token
     discarded_draft_tokens: int = 0  # drafted tokens dropped after a replaced one
     deferred_positions: int = 0  # positions judged a round later: a verifier's token there was cut by the draft's end
+    steered_tokens: int = 0  # ensemble points where loop steering kept the drafted token (`loop_steer`)
 
     @property
     def ensemble_rate(self) -> float:
@@ -65,6 +66,7 @@ class EnsemblePoint:
     # what the drafter was handed: the drafted token where it stood, else its token(s) carrying the pick (UniTE:
     # one token; with token healing the drafter's own token starting with the pick, ":\n" for ":")
     handed: str = ""
+    steered: bool = False  # loop steering kept the drafted token: the pick would have repeated the text
 
     def to_dict(self) -> dict:
         return asdict(self)

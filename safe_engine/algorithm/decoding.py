@@ -156,8 +156,9 @@ class Generation:
         self.checks: list[Verification] = []  # this round's verifications
         self._to_draft = self._budget = 0
         self._verified: int | None = 0  # drafted tokens the verifiers see this round (all of them, but in overlap)
-        # this round's ensemble points (committed on accept): position, verdict, replaced, the bytes handed over
-        self._points: list[tuple[int, Verdict, bool, bytes | None]] = []
+        # this round's ensemble points (committed on accept): position, verdict, replaced, the bytes handed over,
+        # steered away from a repetition
+        self._points: list[tuple[int, Verdict, bool, bytes | None, bool]] = []
         self._cut_short = False  # this round's draft ended early at an unsure token
         self._adaptive = config.adaptive_draft  # this round adapts its draft (never in a batch)
         self.error: BaseException | None = None  # why the request failed (it then holds no caches)
@@ -385,14 +386,17 @@ class Generation:
             pick = verdict.pick
             ids = None if pick is None else self._ids_of(pick, draft.drawn[j], self.stats.tokens + j)
             replaced = ids is not None and ids != draft.ids[j : j + len(ids)]
-            if verdict.decided_from is not None:
+            steered = replaced and self._repeats_unlike_the_drafter(draft, j, cast(list[int], ids))
+            if steered:  # the drafter's token stands, and so does its own distribution in the logprobs
+                ids, replaced = draft.ids[j : j + 1], False
+            elif verdict.decided_from is not None:
                 chosen = verdict.pick.text if verdict.pick is not None else draft.pieces[j]
                 self._decided[j] = (*verdict.decided_from, chosen)
                 if ids is not None and not replaced:
                     self._covered.update(range(j + 1, j + len(ids)))
             if verdict.ensembled:
                 handed = b"".join(self.drafter.member.token_bytes[t] or b"" for t in ids) if ids else None
-                self._points.append((j, verdict, replaced, handed))
+                self._points.append((j, verdict, replaced, handed, steered))
             if replaced:
                 self.stats.discarded_draft_tokens += len(draft) - j - 1
                 return j, ids
@@ -489,17 +493,36 @@ class Generation:
             return ids[race_sample(logprobs, self.draws.key("heal", position))]
         return ids[int(torch.argmax(logprobs))]
 
+    def _repeats_unlike_the_drafter(self, draft: Draft, j: int, ids: list[int]) -> bool:
+        """Whether loop steering keeps the drafted token j: handing the pick's `ids` would make the text end in
+        a stretch of loop_span bytes repeated loop_steer times in a row, and the drafted token would not.
+
+        Why: most loops left after token healing are kept going by the ensemble's average, not by either
+        member (issue 31: given the looping text, neither member alone writes the next period in 17 of the
+        pairs' 28 exact loops). Falling back to the drafter only there never adds a repetition the drafter
+        would not write itself, and leaves every other ensemble point as the paper has it."""
+        repeats = self.config.loop_steer
+        member = self.drafter.member
+        if repeats is None or ids[0] in member.eos_ids:
+            return False
+        span = self.config.loop_span
+        before = bytes(self.buffer.data) + b"".join(draft.pieces[:j])
+        handed = b"".join(member.token_bytes[t] or b"" for t in ids)
+        drafted = before + draft.pieces[j]
+        return ends_in_loop(before + handed, span, repeats) and not ends_in_loop(drafted, span, repeats)
+
     def _commit_points(self, accepted: int) -> None:
         """Count this round's ensemble points among the `accepted` tokens (a stop string may end the text
         before some judged positions)."""
-        for j, verdict, replaced, handed in self._points:
+        for j, verdict, replaced, handed, steered in self._points:
             if j >= accepted:
                 break
             self.stats.ensembled_tokens += 1
             self.stats.replaced_tokens += replaced
+            self.stats.steered_tokens += steered
             if self.trace is not None and verdict.point is not None:
                 shown = verdict.point.drafted if handed is None else handed.decode("utf-8", errors="replace")
-                self.trace.append(replace(verdict.point, replaced=replaced, handed=shown))
+                self.trace.append(replace(verdict.point, replaced=replaced, handed=shown, steered=steered))
         self._points = []
 
     # -- bookkeeping ------------------------------------------------------------------------------------

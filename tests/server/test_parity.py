@@ -74,7 +74,14 @@ CASES: dict[str, dict[str, Any]] = {
     "no sharpening": {"sharpening": None},
     "boundary gate only": {"gates": ["boundary"]},
     "rounds, fixed drafts": {"schedule": "rounds", "adaptive_draft": False},
-    "loop guard, no token healing": {"loop_guard": 2, "loop_span": 4, "token_healing": False},
+    # a repetition penalty below 1 makes the random members repeat words, so the guard and steering bite
+    "loop guard, no token healing": {
+        "loop_guard": 2,
+        "loop_span": 4,
+        "token_healing": False,
+        "repetition_penalty": 0.3,
+    },
+    "loop steering": {"loop_steer": 2, "loop_span": 2, "token_healing": False, "repetition_penalty": 0.6},
     "tool_choice auto": {"tools": TOOLS},
     "tool_choice required": {"tools": TOOLS, "tool_choice": "required", "max_tokens": 80},
     "tool_choice named": {
@@ -234,8 +241,9 @@ def test_every_door_gives_the_engines_reply(served, expected, case):
     served.wait_idle()
 
 
-def test_the_matrix_checks_what_it_claims(expected):
-    """The cases are not vacuous: the tool cases call tools, json cases give JSON, stop and limits bite."""
+def test_the_matrix_checks_what_it_claims(served, expected):
+    """The cases are not vacuous: the tool cases call tools, json cases give JSON, stop, limits and the loop
+    knobs bite."""
     assert {name for name, _ in expected["tool_choice required"][1]} <= {"multiply", "add"}
     assert expected["tool_choice required"][1] and expected["tool_choice required"][2] == "tool_calls"
     assert [name for name, _ in expected["tool_choice named"][1]] == ["add"]
@@ -250,6 +258,11 @@ def test_the_matrix_checks_what_it_claims(expected):
     for case in ("frequency and presence penalties", "repetition penalty", "logit_bias"):
         assert expected[case] != expected["greedy"], case
     assert expected["logit_bias"][0].startswith("0")
+    guard, steering = CASES["loop guard, no token healing"], CASES["loop steering"]
+    unguarded = engine(served, _request("greedy") | guard | {"loop_guard": None})
+    assert expected["loop guard, no token healing"][2] == "stop" and unguarded[2] == "length"
+    assert unguarded[0].startswith(expected["loop guard, no token healing"][0])
+    assert expected["loop steering"] != engine(served, _request("greedy") | steering | {"loop_steer": None})
 
 
 # -- logprobs: every door reports the engine's, in its framework's shape ------------------------------------------
@@ -389,12 +402,22 @@ def _flags(kwargs: dict[str, Any], tmp_path: Path) -> list[str]:
         elif key == "stop":
             for s in value:
                 flags += ["--stop", s]
+        elif isinstance(value, bool):  # a switch: --token-healing / --no-token-healing
+            flags += [f"--{'' if value else 'no-'}{key.replace('_', '-')}"]
         else:
             flags += [f"--{key.replace('_', '-')}", str(value)]
     return flags
 
 
-CLI_CASES = ["greedy", "seeded sampling", "stop", "method every_token", "tool_choice named", "json_schema"]
+CLI_CASES = [
+    "greedy",
+    "seeded sampling",
+    "stop",
+    "method every_token",
+    "tool_choice named",
+    "json_schema",
+    "loop steering",
+]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)

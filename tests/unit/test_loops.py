@@ -1,5 +1,6 @@
 """Issue 31, an ensemble must not loop more than its drafter: token healing (the drafter is never handed a split
-its tokenizer does not make) and the loop guard (off by default), on real tokenizers and tiny models.
+its tokenizer does not make), the loop guard and loop steering (both off by default), on real tokenizers and
+tiny models.
 
 The study's records (benchmarks/results/accuracy) are read as data: the guard must never fire on an answer
 the drafter alone finished, and must catch the loops that answers ending at the budget show.
@@ -125,10 +126,42 @@ def test_a_looping_model_is_ended_by_the_guard_at_the_first_token_that_completes
     assert ens.generate(" the", max_new_tokens=60, loop_guard=2, loop_span=8).text.count("mat.") == 2
 
 
+def test_loop_steering_keeps_the_drafters_token_where_the_ensembles_pick_would_repeat_the_text(loopers):
+    """A verifier that loops, weighted so that the ensemble follows it, makes the answer repeat " the cat sat on a
+    mat." at its replacements. Steering keeps the drafter's own token at each replacement that would make the
+    text end in a stretch of 32+ bytes twice in a row (unhealed picks: the handed token is the pick's own), and
+    only there: the answer is the free one up to the first steered point."""
+    ens = Ensemble([tiny_member("qwen2.5-7b-instruct", 1), loopers[0]], weights=[1, 50])
+    options = {"max_new_tokens": 80, "trace": True, "token_healing": False}
+    free = ens.generate(" the", **options)
+    steered = ens.generate(" the", loop_steer=2, **options)
+
+    def repeating(res) -> list[int]:  # offsets of replacements after which the text ends in a loop
+        data = res.text.encode()
+        ends = [(p.offset, p.offset + len(p.handed.encode())) for p in res.trace if p.replaced]
+        return [start for start, end in ends if ends_in_loop(data[:end], 32, 2)]
+
+    assert free.text.count(" the cat sat on a mat.") >= 8 and len(repeating(free)) > 10
+    assert repeating(steered) == [] and steered.stats.steered_tokens > 0
+    points = [p for p in steered.trace if p.steered]
+    assert len(points) == steered.stats.steered_tokens
+    assert all(not p.replaced and p.handed == p.drafted and p.chosen != p.drafted for p in points)
+    first = points[0].offset
+    assert steered.text.encode()[:first] == free.text.encode()[:first] and first in repeating(free)
+    # the drafter's own loop is not steered: two loopers agree everywhere, so nothing is ever replaced
+    twins = Ensemble(loopers)
+    free_twins = twins.generate(" the", max_new_tokens=60)
+    assert twins.generate(" the", max_new_tokens=60, loop_steer=2).text == free_twins.text
+    # steering and the guard together: steered until the guard ends a repetition the drafter keeps writing
+    assert twins.generate(" the", max_new_tokens=60, loop_steer=2, loop_guard=3).finish_reason == "repetition"
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
         ({"loop_guard": 1}, "loop_guard must be >= 2"),
+        ({"loop_steer": 1}, "loop_steer must be >= 2"),
+        ({"loop_steer": 2.0}, "loop_steer must be an integer"),
         ({"loop_guard": True}, "loop_guard must be an integer"),
         ({"loop_span": 0}, "loop_span must be >= 1"),
         ({"token_healing": "yes"}, "token_healing must be True or False"),

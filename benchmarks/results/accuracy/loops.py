@@ -2,18 +2,18 @@
 
     python benchmarks/results/accuracy/loops.py
 
-"Before" is the study's records in this folder (the engine of issue 17: the drafter handed the pick's own
-token). "After" is `rerun-31/`: the same harness, problems and budgets with the engine that heals the
-handover (`token_healing=True`, the default since issue 31). Per task and row, on the problems both runs of
-that row and the drafter alone answered: the share of answers cut in a loop (`summarize.loops`), accuracy,
-and the paired comparison with the drafter alone (difference with a paired bootstrap interval, McNemar's
-exact p). "Lost to loops" counts the problems the drafter alone solved where the row's answer loops; "shared"
-the row's loops on problems where the drafter alone loops too. The target of issue 31 is in loops: a pair
-within one problem of the drafter alone, three members no more than their loopiest-but-one member (SmolLM2
-alone; gemma alone loops on most answers). The loop guard's rows are exact replays of the same records: a
-greedy answer with the guard on is the answer without it, ended at the first token where the guard fires
-(`guarded`), so it needs no run; its accuracy is the truncated text scored again.
-"""
+"Before" is the study's records in this folder (the engine of issue 17: the drafter handed the pick's own token).
+"After" is `rerun-31/`: the same harness, problems and budgets with the engine that heals the handover
+(`token_healing=True`, the default since issue 31). "Steered" is the healed answers with loop steering on
+(`loop_steer=2`): `steer-31/` holds the answers it can change, decoded again (`steerable`). Per task and row, on the
+problems both runs of that row and the drafter alone answered: the share of answers cut in a loop
+(`summarize.loops`), accuracy, and the paired comparison with the drafter alone (difference with a paired bootstrap
+interval, McNemar's exact p). "Lost to loops" counts the problems the drafter alone solved where the row's answer
+loops; "shared" the row's loops on problems where the drafter alone loops too. The target of issue 31 is in loops: a
+pair within one problem of the drafter alone, three members no more than their loopiest-but-one member (SmolLM2
+alone; gemma alone loops on most answers). The loop guard's rows are exact replays of the same records: a greedy
+answer with the guard on is the answer without it, ended at the first token where the guard fires (`guarded`), so it
+needs no run; its accuracy is the truncated text scored again."""
 
 from __future__ import annotations
 
@@ -37,6 +37,7 @@ ROWS = ("UniTE+SAFE", "GaC+SAFE", "UniTE+SAFE (3 models)", "UniTE every token")
 DRAFTER = "qwen alone"
 SECOND = "smollm2 alone"  # the three-member row's loopiest-but-one member
 GUARD = (3, 32)  # loop_guard, loop_span: the documented setting
+STEER = (2, 32)  # loop_steer, loop_span: the loop-steering rows' setting (accuracy.py LOOP_STEER)
 
 
 def records(folder: Path, task: str) -> dict[str, dict[str, dict[str, Any]]]:
@@ -52,6 +53,15 @@ def records(folder: Path, task: str) -> dict[str, dict[str, dict[str, Any]]]:
 
 def looping(r: dict[str, Any]) -> bool:
     return r.get("finish_reason") == "length" and loops(str(r["text"]))
+
+
+def steerable(r: dict[str, Any]) -> bool:
+    """Whether loop steering can change the record's greedy answer: only where some prefix of it ends in a
+    stretch of 32 bytes or more repeated twice in a row. Steering acts only at a replacement whose handed text
+    completes such a prefix, and every other answer is decoded exactly as without it."""
+    data = str(r["text"]).encode()
+    repeats, span = STEER
+    return any(ends_in_loop(data[:k], span, repeats) for k in range(span * repeats, len(data) + 1))
 
 
 def guarded(r: dict[str, Any], problem: Any) -> tuple[bool, bool]:
@@ -78,6 +88,7 @@ def compare(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:
 
 def task_table(task: str) -> list[dict[str, Any]]:
     before, after = records(HERE, task), records(HERE / "rerun-31", task)
+    steer = records(HERE / "steer-31", task)
     problems = {p.id: p for p in load_task(task, limit=150)}
     drafter, second = before[DRAFTER], before[SECOND]
     out = []
@@ -94,7 +105,20 @@ def task_table(task: str) -> list[dict[str, Any]]:
         else:
             target = sum(looping(drafter[i]) for i in ids) + 1
         entry["target_loops"] = target
-        for name, recs in (("before", old), ("after", new if entry["rerun"] else {})):
+        decoded = steer.get(f"{row}, loop steering", {})
+        steered = {}
+        if entry["rerun"] and decoded:
+            redo = [i for i in ids if steerable(new[i])]
+            entry["steering"] = {
+                "redecoded": len(redo),
+                "complete": all(i in decoded for i in redo),
+                "changed": sum(decoded[i]["text"] != new[i]["text"] for i in redo if i in decoded),
+                "steered_points": sum(decoded[i].get("steered_tokens") or 0 for i in redo if i in decoded),
+                "cpu_s": round(sum(float(decoded[i].get("cpu_time_s") or 0) for i in redo if i in decoded), 1),
+            }
+            if entry["steering"]["complete"]:
+                steered = {i: decoded[i] if i in redo else new[i] for i in ids}
+        for name, recs in (("before", old), ("after", new if entry["rerun"] else {}), ("steered", steered)):
             if not recs:
                 continue
             correct = [bool(recs[i]["correct"]) for i in ids]
@@ -169,10 +193,41 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             " / ".join(f"{100 * g['vs_drafter']['delta']:+.1f} (p {g['vs_drafter']['p']:.2f})" for g in guards)
         )
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Loop steering (`loop_steer=2, loop_span=32`) on top of token healing",
+        "",
+        "Only the answers steering can change were decoded again (`steerable`: some prefix of the healed answer "
+        "ends in a stretch of 32+ bytes repeated twice in a row); every other answer is the healed one, exactly. "
+        "Changed: re-decoded answers whose text differs. Guard: `loop_guard=3` applied to the steered answers.",
+        "",
+        "| Task | Row | Re-decoded | Changed | Steered points | Loops healed → steered / target (count) | "
+        "Lost to loops, steered | Acc. healed | Acc. steered | Δ steered (95 % CI), p | Guard fires (%) | "
+        "Δ with guard |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "steered" not in r:
+            continue
+        st, after, g = r["steering"], r["after"], r["steered_guard"]
+        met = "met" if r["steered"]["loop_count"] <= r["target_loops"] else "missed"
+        d = r["steered"]["vs_drafter"]
+        cells = [
+            r["task"], r["row"], str(st["redecoded"]), str(st["changed"]), str(st["steered_points"]),
+            f"{after['loop_count']} → {r['steered']['loop_count']} / {r['target_loops']} ({met})",
+            str(r["steered"]["lost_to_loops"]), pct(after["accuracy"]), pct(r["steered"]["accuracy"]),
+            f"{100 * d['delta']:+.1f} ({100 * d['ci95'][0]:+.1f} to {100 * d['ci95'][1]:+.1f}), {d['p']:.3f}",
+            pct(g["fired"]), f"{100 * g['vs_drafter']['delta']:+.1f} (p {g['vs_drafter']['p']:.2f})",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--steerable"]:  # the problems loop steering can change: `accuracy.py --ids` input
+        task, row = sys.argv[2:4]
+        print("\n".join(i for i, r in records(HERE / "rerun-31", task)[row].items() if steerable(r)))
+        return
     rows = [entry for task in TASKS for entry in task_table(task)]
     (HERE / "loops.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     (HERE / "loops.md").write_text(markdown(rows), encoding="utf-8")
