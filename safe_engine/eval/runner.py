@@ -246,8 +246,8 @@ def make_ensemble_config(
     its own chat template), ``ensemble.generate(prompt_text, **kw)`` with few-shot text and stop strings
     for base models. The result's ``.text``, ``.finish_reason`` and ``.stats`` (``tokens``,
     ``ensembled_tokens``, ``ensemble_rate``, ``wall_time_s``, ``tokens_per_s``, ``replaced_tokens``,
-    ``discarded_draft_tokens``, ``steered_tokens``, ``forward_passes``) are copied into the record, with ``cpu_time_s`` (this
-    process's CPU time, all threads; a batch's times are divided by its size).
+    ``discarded_draft_tokens``, ``steered_tokens``, ``forward_passes``) are copied into the record, with
+    ``cpu_time_s`` (this process's CPU time, all threads; a batch's times are divided by its size).
 
     Args:
         method / aggregation / do_sample / max_new_tokens: passed to ``generate`` unchanged.
