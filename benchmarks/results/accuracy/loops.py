@@ -55,23 +55,27 @@ def looping(r: dict[str, Any]) -> bool:
     return r.get("finish_reason") == "length" and loops(str(r["text"]))
 
 
+def first_loop_end(data: bytes, setting: tuple[int, int]) -> int | None:
+    """The length of the shortest prefix of `data` that ends in a loop at `setting` (repeats, span), if any:
+    where a guard checking after every token fires."""
+    repeats, span = setting
+    return next((k for k in range(span * repeats, len(data) + 1) if ends_in_loop(data[:k], span, repeats)), None)
+
+
 def steerable(r: dict[str, Any]) -> bool:
     """Whether loop steering can change the record's greedy answer: only where some prefix of it ends in a
     stretch of 32 bytes or more repeated twice in a row. Steering acts only at a replacement whose handed text
     completes such a prefix, and every other answer is decoded exactly as without it."""
-    data = str(r["text"]).encode()
-    repeats, span = STEER
-    return any(ends_in_loop(data[:k], span, repeats) for k in range(span * repeats, len(data) + 1))
+    return first_loop_end(str(r["text"]).encode(), STEER) is not None
 
 
 def guarded(r: dict[str, Any], problem: Any) -> tuple[bool, bool]:
     """(correct, ended by the guard) for the record's answer with the loop guard on (see the module doc)."""
     data = str(r["text"]).encode()
-    repeats, span = GUARD
-    for k in range(span * repeats, len(data) + 1):
-        if ends_in_loop(data[:k], span, repeats):
-            return score(problem, data[:k].decode(errors="replace")).correct, True
-    return bool(r["correct"]), False
+    k = first_loop_end(data, GUARD)
+    if k is None:
+        return bool(r["correct"]), False
+    return score(problem, data[:k].decode(errors="replace")).correct, True
 
 
 def compare(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:
