@@ -108,9 +108,10 @@ class GenerationConfig:
     loop_steer: int | None = field(
         default=None,
         metadata={
-            "doc": "steer away from a repetition: at an ensemble point, keep the drafter's own token where the "
-            "ensemble's pick would make the answer end in a stretch of at least loop_span bytes occurring this "
-            "many times in a row and the drafter's token would not; None: off (the paper's method)",
+            "doc": "steer away from a repetition: once the answer ends in a stretch of at least loop_span bytes "
+            "occurring this many times in a row, go back to the first ensemble replacement inside its last copy "
+            "and keep the drafter's own token there (a stream holds back text it may still take back); None: off "
+            "(the paper's method)",
             "cli": {"metavar": "REPEATS"},
         },
     )

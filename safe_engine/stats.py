@@ -24,6 +24,7 @@ class EnsembleStats:
     discarded_draft_tokens: int = 0  # drafted tokens dropped after a replaced one
     deferred_positions: int = 0  # positions judged a round later: a verifier's token there was cut by the draft's end
     steered_tokens: int = 0  # ensemble points where loop steering kept the drafted token (`loop_steer`)
+    rolled_back_tokens: int = 0  # tokens loop steering took back and decoded again (its cost)
 
     @property
     def ensemble_rate(self) -> float:
@@ -66,7 +67,7 @@ class EnsemblePoint:
     # what the drafter was handed: the drafted token where it stood, else its token(s) carrying the pick (UniTE:
     # one token; with token healing the drafter's own token starting with the pick, ":\n" for ":")
     handed: str = ""
-    steered: bool = False  # loop steering kept the drafted token: the pick would have repeated the text
+    steered: bool = False  # loop steering kept the drafted token: the pick had helped the text into a loop
 
     def to_dict(self) -> dict:
         return asdict(self)

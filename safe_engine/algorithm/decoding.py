@@ -24,7 +24,9 @@ On the CPU, `runtime.placement` says how many threads each side's forwards get.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
+import itertools
 import statistics
 import threading
 import time
@@ -32,7 +34,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -47,11 +49,13 @@ from .aggregation import Pick, UnionVocab, eos_ids, token_string
 from .alignment import Verification
 from .decision import Judge, Verdict
 from .logprobs import Logprobs
-from .text import TextBuffer, ends_in_loop
+from .text import TextBuffer, ends_in_loop, loop_period
 
 CARRY_LIMIT = 3  # judge anyway once the carried-over tokens exceed this many drafts (a verifier token that
 # keeps growing, like a long run of "=", must not postpone the decision forever)
 UNSURE = 0.4  # a drafted token below this probability is a likely ensemble point (transformers' assistant default)
+STEER_REACH = 512  # bytes: loop steering goes back at most this far (the study's loops: periods of 4 to 265
+# characters), so a stream holds back at most this much text behind the decoding
 
 
 @dataclass
@@ -73,6 +77,15 @@ class Draft:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+class Point(NamedTuple):
+    """A committed ensemble point, as loop steering needs it: where it is in the text and what it did."""
+
+    offset: int  # byte offset of its token in the generated text
+    token: int  # index of its token among the generated ones
+    replaced: bool
+    steered: bool
 
 
 @dataclass
@@ -156,9 +169,14 @@ class Generation:
         self.checks: list[Verification] = []  # this round's verifications
         self._to_draft = self._budget = 0
         self._verified: int | None = 0  # drafted tokens the verifiers see this round (all of them, but in overlap)
-        # this round's ensemble points (committed on accept): position, verdict, replaced, the bytes handed over,
-        # steered away from a repetition
-        self._points: list[tuple[int, Verdict, bool, bytes | None, bool]] = []
+        # this round's ensemble points (committed on accept): position, byte offset, verdict, replaced, the bytes
+        # handed over, steered away from a repetition
+        self._points: list[tuple[int, int, Verdict, bool, bytes | None, bool]] = []
+        # loop steering: the committed ensemble points, the offsets where the drafter's token is to stand, and
+        # the offset before which steering no longer goes back (text before it may have been streamed)
+        self._committed: list[Point] = []
+        self._kept: set[int] = set()
+        self._settled = 0
         self._cut_short = False  # this round's draft ended early at an unsure token
         self._adaptive = config.adaptive_draft  # this round adapts its draft (never in a batch)
         self.error: BaseException | None = None  # why the request failed (it then holds no caches)
@@ -386,7 +404,7 @@ class Generation:
             pick = verdict.pick
             ids = None if pick is None else self._ids_of(pick, draft.drawn[j], self.stats.tokens + j)
             replaced = ids is not None and ids != draft.ids[j : j + len(ids)]
-            steered = replaced and self._repeats_unlike_the_drafter(draft, j, cast(list[int], ids))
+            steered = replaced and here in self._kept
             if steered:  # the drafter's token stands, and so does its own distribution in the logprobs
                 ids, replaced = draft.ids[j : j + 1], False
             elif verdict.decided_from is not None:
@@ -396,7 +414,7 @@ class Generation:
                     self._covered.update(range(j + 1, j + len(ids)))
             if verdict.ensembled:
                 handed = b"".join(self.drafter.member.token_bytes[t] or b"" for t in ids) if ids else None
-                self._points.append((j, verdict, replaced, handed, steered))
+                self._points.append((j, here, verdict, replaced, handed, steered))
             if replaced:
                 self.stats.discarded_draft_tokens += len(draft) - j - 1
                 return j, ids
@@ -493,30 +511,14 @@ class Generation:
             return ids[race_sample(logprobs, self.draws.key("heal", position))]
         return ids[int(torch.argmax(logprobs))]
 
-    def _repeats_unlike_the_drafter(self, draft: Draft, j: int, ids: list[int]) -> bool:
-        """Whether loop steering keeps the drafted token j: handing the pick's `ids` would make the text end in
-        a stretch of loop_span bytes repeated loop_steer times in a row, and the drafted token would not.
-
-        Why: most loops left after token healing are kept going by the ensemble's average, not by either
-        member (issue 31: given the looping text, neither member alone writes the next period in 17 of the
-        pairs' 28 exact loops). Falling back to the drafter only there never adds a repetition the drafter
-        would not write itself, and leaves every other ensemble point as the paper has it."""
-        repeats = self.config.loop_steer
-        member = self.drafter.member
-        if repeats is None or ids[0] in member.eos_ids:
-            return False
-        span = self.config.loop_span
-        before = bytes(self.buffer.data) + b"".join(draft.pieces[:j])
-        handed = b"".join(member.token_bytes[t] or b"" for t in ids)
-        drafted = before + draft.pieces[j]
-        return ends_in_loop(before + handed, span, repeats) and not ends_in_loop(drafted, span, repeats)
-
-    def _commit_points(self, accepted: int) -> None:
-        """Count this round's ensemble points among the `accepted` tokens (a stop string may end the text
-        before some judged positions)."""
-        for j, verdict, replaced, handed, steered in self._points:
+    def _commit_points(self, first: int, accepted: int) -> None:
+        """Count this round's ensemble points among the `accepted` tokens, the first of which is generated token
+        `first` (a stop string may end the text before some judged positions)."""
+        for j, offset, verdict, replaced, handed, steered in self._points:
             if j >= accepted:
                 break
+            if self.config.loop_steer is not None:
+                self._committed.append(Point(offset, first + j, replaced, steered))
             self.stats.ensembled_tokens += 1
             self.stats.replaced_tokens += replaced
             self.stats.steered_tokens += steered
@@ -530,7 +532,8 @@ class Generation:
         """Move `kept` drafted tokens (+ a replacement) into the text; crop the drafter where they diverge."""
         drafter = self.drafter
         member = drafter.member
-        base = drafter.prompt_len + self.stats.tokens
+        first = self.stats.tokens
+        base = drafter.prompt_len + first
         budget = self.config.max_new_tokens - self.stats.tokens
         ids = draft.ids[:kept]
         pieces = draft.pieces[:kept]
@@ -556,25 +559,85 @@ class Generation:
             drafter.ids = drafter.ids[:base] + ids
             drafter.cached = min(drafter.cached, base + kept)
             self.pending = Draft()
-        guard = self.config.loop_guard
+        guard, back = self.config.loop_guard, None
         for n, piece in enumerate(pieces, 1):  # token by token: a stop string ends the count where it appears
             if self.buffer.append(piece):
                 ids = ids[:n]
                 self._finish("stop")
                 break
-            if guard is not None and piece and ends_in_loop(self.buffer.data, self.config.loop_span, guard):
+            if not piece:
+                continue
+            if self.config.loop_steer is not None and (back := self._steer_target(first, n)) is not None:
+                ids = ids[:n]
+                break
+            if guard is not None and ends_in_loop(self.buffer.data, self.config.loop_span, guard):
                 ids = ids[:n]
                 self._finish("repetition")
                 break
         self.stats.tokens += len(ids)
         if self.logprobs is not None:
             self.logprobs.extend(entries[: len(ids)], pieces[: len(ids)])
-        self._commit_points(len(ids))
-        if self.finish_reason is None:
+        self._commit_points(first, len(ids))
+        if back is not None:
+            self._go_back(back)
+        elif self.finish_reason is None:
             if ended:
                 self._finish("eos")
             elif self.stats.tokens >= self.config.max_new_tokens or drafter.full:
                 self._finish("length")
+
+    def _steer_target(self, first: int, n: int) -> Point | None:
+        """Loop steering, checked at each token's end (here the round's n-th, generated token first + n - 1):
+        where the text has come to end in a repetition (a stretch of loop_span+ bytes, loop_steer times in a
+        row) and an ensemble replacement lies inside its last copy, the first such replacement, to go back to
+        and let the drafter's own token stand there.
+
+        Why there, and why afterwards: in the accuracy study a pick starts the loop and the drafter continues
+        it alone (issue 31, mmlu-redux/nutrition/1: a pick began the sentence's second copy, and the drafter
+        wrote every later copy with no replacement). The loop is certain only once the copies stand, when that
+        pick lies behind. Going back to it undoes the ensemble's part in the loop and nothing else. A loop with
+        no replacement in its last copy is the drafter's own and stays (the guard can end it). Checked token by
+        token, the greedy text is the same whatever the rounds; each token taken back is decoded again, at most
+        max_new_tokens of them per answer, and never further back than STEER_REACH bytes from the end."""
+        data = self.buffer.data
+        settled = self._settled
+        self._settled = max(settled, len(data) - STEER_REACH)
+        if self.stats.rolled_back_tokens >= self.config.max_new_tokens:
+            return None
+        period = loop_period(data, self.config.loop_span, cast(int, self.config.loop_steer))
+        if period is None:
+            return None
+        start = max(len(data) - period, settled)
+        fresh = (Point(o, first + j, r, s) for j, o, _, r, _, s in self._points if j < n)
+        return next((p for p in itertools.chain(self._committed, fresh) if p.replaced and p.offset >= start), None)
+
+    def _go_back(self, point: Point) -> None:
+        """Take back the text from `point` on: the members, the grammar, the stats, the trace and the logprobs
+        return to where they stood before it, and the drafter's own token is to stand there."""
+        offset, kept = point.offset, point.token
+        dropped = [p for p in self._committed if p.offset >= offset]
+        self._committed = self._committed[: len(self._committed) - len(dropped)]
+        stats = self.stats
+        stats.ensembled_tokens -= len(dropped)
+        stats.replaced_tokens -= sum(p.replaced for p in dropped)
+        stats.steered_tokens -= sum(p.steered for p in dropped)
+        stats.rolled_back_tokens += stats.tokens - kept
+        stats.tokens = kept
+        self._kept = {o for o in self._kept if o < offset} | {offset}
+        if self.trace is not None:
+            self.trace = [p for p in self.trace if p.offset < offset]
+        if self.logprobs is not None:
+            self.logprobs.truncate(offset)
+        self.buffer.truncate(offset)
+        if self.constraint is not None:
+            self.constraint.rollback(len(self.constraint.ids) - kept)
+        drafter = self.drafter
+        drafter.ids = drafter.ids[: drafter.prompt_len + kept]
+        drafter.cached = min(drafter.cached, len(drafter.ids))
+        for track in self.verifiers:
+            if track.frozen_bytes > offset:  # re-encoded whole next round; its cache keeps the common prefix
+                track.frozen_ids = track.frozen_bytes = 0
+        self.pending = Draft()
 
     def _entry(
         self, draft: Draft, j: int, decided: dict[int, tuple[list[bytes], torch.Tensor, bytes]], covered: set[int]
@@ -639,8 +702,15 @@ class Generation:
         return GenerationResult(self.text, self.finish_reason, self.stats, self.trace, logprobs=logprobs)
 
     def visible_text(self) -> str:
-        """Text that no later round can change: all of it once finished, else minus a possible stop prefix."""
-        return self.buffer.visible(self.finish_reason is not None)
+        """Text that no later round can change: all of it once finished, else minus a possible stop prefix
+        and, with loop steering, minus the text from the first replacement it may still go back to."""
+        text = self.buffer.visible(self.finish_reason is not None)
+        if self.finish_reason is None and self.config.loop_steer is not None:
+            revisable = next((p.offset for p in self._committed if p.replaced and p.offset >= self._settled), None)
+            if revisable is not None:
+                decoded = codecs.getincrementaldecoder("utf-8")("replace").decode(bytes(self.buffer.data[:revisable]))
+                text = text[: len(decoded)]
+        return text
 
 
 def run_round(gens: Sequence[Generation]) -> None:
@@ -703,7 +773,8 @@ def _run_round(gens: Sequence[Generation]) -> None:
         # the round's progress: tokens accepted plus those carried ahead, less those it was handed (an overlapped
         # round accepts what the round before drafted; a replacement drops what was drafted past it)
         progress = lone.stats.tokens + len(lone.pending) - ahead
-        gauge.record("overlap" if overlap else "rounds", time.perf_counter() - started, progress)
+        if progress >= 0:  # loop steering may have taken tokens back: a round that times neither schedule
+            gauge.record("overlap" if overlap else "rounds", time.perf_counter() - started, progress)
 
 
 def _verify(work: Sequence[tuple[Track, Job]], live: Sequence[Generation]) -> list[list[Row]]:

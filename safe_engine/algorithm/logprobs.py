@@ -74,6 +74,11 @@ class Logprobs:
                 self.entries.append(entry)
                 self.ends.append(end)
 
+    def truncate(self, nbytes: int) -> None:
+        """Drop the entries of tokens that end past the first `nbytes` of the text (loop steering went back)."""
+        keep = sum(1 for end in self.ends if end <= nbytes)
+        del self.entries[keep:], self.ends[keep:]
+
     # -- reading ---------------------------------------------------------------------------------------
     def upto(self, start: int, nbytes: int) -> list[TokenLogprob]:
         """Entries from index `start` on whose tokens end within the first `nbytes` of the text."""

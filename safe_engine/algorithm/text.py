@@ -40,6 +40,12 @@ class TextBuffer:
             self.stopped = True
         return self.stopped
 
+    def truncate(self, size: int) -> None:
+        """Keep the first `size` bytes (loop steering goes back to an earlier token); no stop string is in them."""
+        del self.data[size:]
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.text = self._decoder.decode(bytes(self.data))
+
     def visible(self, finished: bool) -> str:
         """Text no later round can change: all of it once finished, else minus a possible stop prefix."""
         if finished:
@@ -57,7 +63,13 @@ LOOP_WINDOW = 8192  # bytes of the text's end the loop guard looks at (a repeate
 
 
 def ends_in_loop(data: bytes | bytearray, span: int, repeats: int) -> bool:
-    """Whether `data` ends with one stretch of at least `span` bytes repeated `repeats` times in a row.
+    """Whether `data` ends with one stretch of at least `span` bytes repeated `repeats` times in a row."""
+    return loop_period(data, span, repeats) is not None
+
+
+def loop_period(data: bytes | bytearray, span: int, repeats: int) -> int | None:
+    """The period, in bytes, of the repetition `data` ends in (one stretch of at least `span` bytes repeated
+    `repeats` times in a row), or None.
 
     Why this shape: a greedy model that loops repeats a sentence or a paragraph until the budget ends it
     (the accuracy study's looping answers: periods of 4 to 265 characters). A shorter period counts through
@@ -67,7 +79,7 @@ def ends_in_loop(data: bytes | bytearray, span: int, repeats: int) -> bool:
     """
     n = len(data)
     if n < span * repeats:
-        return False
+        return None
     view = bytes(data[-LOOP_WINDOW:])
     n = len(view)
     tail = view[-span:]
@@ -75,8 +87,8 @@ def ends_in_loop(data: bytes | bytearray, span: int, repeats: int) -> bool:
     while (pos := view.rfind(tail, 0, end)) >= 0:
         period = n - span - pos
         if period * repeats > n:
-            return False  # farther occurrences only mean longer periods
+            return None  # farther occurrences only mean longer periods
         if period >= span and view[n - repeats * period : n - period] == view[n - (repeats - 1) * period :]:
-            return True
+            return period
         end = pos + span - 1
-    return False
+    return None

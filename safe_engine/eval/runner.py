@@ -246,8 +246,9 @@ def make_ensemble_config(
     its own chat template), ``ensemble.generate(prompt_text, **kw)`` with few-shot text and stop strings
     for base models. The result's ``.text``, ``.finish_reason`` and ``.stats`` (``tokens``,
     ``ensembled_tokens``, ``ensemble_rate``, ``wall_time_s``, ``tokens_per_s``, ``replaced_tokens``,
-    ``discarded_draft_tokens``, ``steered_tokens``, ``forward_passes``) are copied into the record, with
-    ``cpu_time_s`` (this process's CPU time, all threads; a batch's times are divided by its size).
+    ``discarded_draft_tokens``, ``steered_tokens``, ``rolled_back_tokens``, ``forward_passes``) are copied
+    into the record, with ``cpu_time_s`` (this process's CPU time, all threads; a batch's times are divided by
+    its size).
 
     Args:
         method / aggregation / do_sample / max_new_tokens: passed to ``generate`` unchanged.
@@ -296,6 +297,7 @@ def make_ensemble_config(
             "replaced_tokens": getattr(stats, "replaced_tokens", None),
             "discarded_draft_tokens": getattr(stats, "discarded_draft_tokens", None),
             "steered_tokens": getattr(stats, "steered_tokens", None),
+            "rolled_back_tokens": getattr(stats, "rolled_back_tokens", None),
             "forward_passes": dict(getattr(stats, "forward_passes", None) or {}),
             "seed": kwargs.get("seed"),
             **({"batch_size": batch} if batch > 1 else {}),

@@ -16,7 +16,7 @@ import torch
 
 from safe_engine import ConfigError, Ensemble, Member
 from safe_engine.algorithm.aggregation import Pick
-from safe_engine.algorithm.text import ends_in_loop
+from safe_engine.algorithm.text import ends_in_loop, loop_period
 from safe_engine.runtime.rows import LocalRow
 from tests.conftest import tiny_member, tiny_model, tokenizer
 
@@ -126,28 +126,44 @@ def test_a_looping_model_is_ended_by_the_guard_at_the_first_token_that_completes
     assert ens.generate(" the", max_new_tokens=60, loop_guard=2, loop_span=8).text.count("mat.") == 2
 
 
-def test_loop_steering_keeps_the_drafters_token_where_the_ensembles_pick_would_repeat_the_text(loopers):
+def test_loop_steering_goes_back_to_the_replacement_that_helped_the_text_into_a_loop(loopers):
     """A verifier that loops, weighted so that the ensemble follows it, makes the answer repeat " the cat sat on a
-    mat." at its replacements. Steering keeps the drafter's own token at each replacement that would make the
-    text end in a stretch of 32+ bytes twice in a row (unhealed picks: the handed token is the pick's own), and
-    only there: the answer is the free one up to the first steered point."""
+    mat." at its replacements. Steering goes back, once the text ends in a stretch of 32+ bytes twice in a row, to
+    the first replacement inside the last copy and keeps the drafter's own token there (unhealed picks: the handed
+    token is the pick's own). Before that point the answer is the free one; the stats, the trace and the stream
+    describe the final text; and the rounds do not matter."""
     ens = Ensemble([tiny_member("qwen2.5-7b-instruct", 1), loopers[0]], weights=[1, 50])
     options = {"max_new_tokens": 80, "trace": True, "token_healing": False}
     free = ens.generate(" the", **options)
     steered = ens.generate(" the", loop_steer=2, **options)
 
-    def repeating(res) -> list[int]:  # offsets of replacements after which the text ends in a loop
-        data = res.text.encode()
-        ends = [(p.offset, p.offset + len(p.handed.encode())) for p in res.trace if p.replaced]
-        return [start for start, end in ends if ends_in_loop(data[:end], 32, 2)]
+    def loops_by_replacement(res, end: int) -> int | None:  # first replacement in the last copy of text[:end]'s loop
+        period = loop_period(res.text.encode()[:end], 32, 2)
+        inside = [p.offset for p in res.trace if p.replaced and period and end - period <= p.offset < end]
+        return inside[0] if inside else None
 
-    assert free.text.count(" the cat sat on a mat.") >= 8 and len(repeating(free)) > 10
-    assert repeating(steered) == [] and steered.stats.steered_tokens > 0
-    points = [p for p in steered.trace if p.steered]
-    assert len(points) == steered.stats.steered_tokens
+    assert free.text.count(" the cat sat on a mat.") >= 8 and free.stats.replaced_tokens > 60
+    stats, trace = steered.stats, steered.trace
+    assert stats.steered_tokens > 0 and 0 < stats.rolled_back_tokens < 80 and stats.tokens == 80
+    assert loops_by_replacement(steered, len(steered.text.encode())) is None
+    assert (stats.ensembled_tokens, stats.replaced_tokens) == (len(trace), sum(p.replaced for p in trace))
+    points = [p for p in trace if p.steered]
+    assert len(points) == stats.steered_tokens
     assert all(not p.replaced and p.handed == p.drafted and p.chosen != p.drafted for p in points)
-    first = points[0].offset
-    assert steered.text.encode()[:first] == free.text.encode()[:first] and first in repeating(free)
+    first = points[0].offset  # the free answer's first loop helped by a replacement: steering went back to it
+    ends = sorted({p.offset + len(p.handed.encode()) for p in free.trace})
+    assert first == next(o for e in ends if (o := loops_by_replacement(free, e)) is not None)
+    assert steered.text.encode()[:first] == free.text.encode()[:first] != steered.text.encode()[: first + 1]
+    # checked token by token: the same answer whatever the rounds, the schedule or the batch
+    for rounds in ({"schedule": "rounds"}, {"schedule": "overlap"}, {"draft_length": 1}, {"draft_length": 7}):
+        assert ens.generate(" the", loop_steer=2, **options, **rounds).text == steered.text
+    assert ens.generate_batch([" the", " a"], loop_steer=2, **options)[0].text == steered.text
+    # a stream never shows text that steering takes back later, and its logprobs spell the final text
+    stream = ens.stream(" the", loop_steer=2, max_new_tokens=240, token_healing=False, logprobs=0)
+    deltas = list(stream)
+    long = stream.result
+    assert long.stats.rolled_back_tokens > 0 and len([d for d in deltas if d]) > 1
+    assert "".join(deltas) == long.text and "".join(t.token for t in long.logprobs) == long.text
     # the drafter's own loop is not steered: two loopers agree everywhere, so nothing is ever replaced
     twins = Ensemble(loopers)
     free_twins = twins.generate(" the", max_new_tokens=60)
