@@ -5,7 +5,10 @@
 "Before" is the study's records in this folder (the engine of issue 17: the drafter handed the pick's own token).
 "After" is `rerun-31/`: the same harness, problems and budgets with the engine that heals the handover
 (`token_healing=True`, the default since issue 31). "Steered" is the healed answers with loop steering on
-(`loop_steer=2`): `steer-31/` holds the answers it can change, decoded again (`steerable`). Per task and row, on the
+(`loop_steer=2`), under each of its two rules (`RULES`): the answers it can change (`steerable`) were decoded again,
+the rest are the healed ones. `back-31/` holds the rule the engine has, going back to the replacement inside a loop's
+last copy; `steer-31/` the first rule (an earlier engine), which kept the drafter's token only at a pick that itself
+completed the second copy. Per task and row, on the
 problems both runs of that row and the drafter alone answered: the share of answers cut in a loop
 (`summarize.loops`), accuracy, and the paired comparison with the drafter alone (difference with a paired bootstrap
 interval, McNemar's exact p). "Lost to loops" counts the problems the drafter alone solved where the row's answer
@@ -38,6 +41,7 @@ DRAFTER = "qwen alone"
 SECOND = "smollm2 alone"  # the three-member row's loopiest-but-one member
 GUARD = (3, 32)  # loop_guard, loop_span: the documented setting
 STEER = (2, 32)  # loop_steer, loop_span: the loop-steering rows' setting (accuracy.py LOOP_STEER)
+RULES = {"at the pick": "steer-31", "going back": "back-31"}  # loop steering's rules: where each one's answers are
 
 
 def records(folder: Path, task: str) -> dict[str, dict[str, dict[str, Any]]]:
@@ -64,8 +68,8 @@ def first_loop_end(data: bytes, setting: tuple[int, int]) -> int | None:
 
 def steerable(r: dict[str, Any]) -> bool:
     """Whether loop steering can change the record's greedy answer: only where some prefix of it ends in a
-    stretch of 32 bytes or more repeated twice in a row. Steering acts only at a replacement whose handed text
-    completes such a prefix, and every other answer is decoded exactly as without it."""
+    stretch of 32 bytes or more repeated twice in a row. Either rule acts only at a token that ends such a
+    prefix, and every other answer is decoded exactly as without it."""
     return first_loop_end(str(r["text"]).encode(), STEER) is not None
 
 
@@ -92,7 +96,7 @@ def compare(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:
 
 def task_table(task: str) -> list[dict[str, Any]]:
     before, after = records(HERE, task), records(HERE / "rerun-31", task)
-    steer = records(HERE / "steer-31", task)
+    steer = {rule: records(HERE / folder, task) for rule, folder in RULES.items()}
     problems = {p.id: p for p in load_task(task, limit=150)}
     drafter, second = before[DRAFTER], before[SECOND]
     out = []
@@ -109,20 +113,30 @@ def task_table(task: str) -> list[dict[str, Any]]:
         else:
             target = sum(looping(drafter[i]) for i in ids) + 1
         entry["target_loops"] = target
-        decoded = steer.get(f"{row}, loop steering", {})
-        steered = {}
-        if entry["rerun"] and decoded:
+        runs = {}
+        for rule in RULES:
+            decoded = steer[rule].get(f"{row}, loop steering", {})
+            if not (entry["rerun"] and decoded):
+                continue
             redo = [i for i in ids if steerable(new[i])]
-            entry["steering"] = {
+            done = [i for i in redo if i in decoded]
+            entry[f"steering {rule}"] = {
                 "redecoded": len(redo),
-                "complete": all(i in decoded for i in redo),
-                "changed": sum(decoded[i]["text"] != new[i]["text"] for i in redo if i in decoded),
-                "steered_points": sum(decoded[i].get("steered_tokens") or 0 for i in redo if i in decoded),
-                "cpu_s": round(sum(float(decoded[i].get("cpu_time_s") or 0) for i in redo if i in decoded), 1),
+                "complete": len(done) == len(redo),
+                "changed": sum(decoded[i]["text"] != new[i]["text"] for i in done),
+                "steered_points": sum(decoded[i].get("steered_tokens") or 0 for i in done),
+                "rolled_back_tokens": sum(decoded[i].get("rolled_back_tokens") or 0 for i in done),
+                # the engine check: where the going-back rule never went back, the answer is the healed one
+                "unsteered_differing": sum(
+                    decoded[i]["text"] != new[i]["text"]
+                    for i in done
+                    if "rolled_back_tokens" in decoded[i] and not decoded[i]["rolled_back_tokens"]
+                ),
+                "cpu_s": round(sum(float(decoded[i].get("cpu_time_s") or 0) for i in done), 1),
             }
-            if entry["steering"]["complete"]:
-                steered = {i: decoded[i] if i in redo else new[i] for i in ids}
-        for name, recs in (("before", old), ("after", new if entry["rerun"] else {}), ("steered", steered)):
+            if len(done) == len(redo):
+                runs[f"steered {rule}"] = {i: decoded[i] if i in redo else new[i] for i in ids}
+        for name, recs in (("before", old), ("after", new if entry["rerun"] else {}), *runs.items()):
             if not recs:
                 continue
             correct = [bool(recs[i]["correct"]) for i in ids]
@@ -197,34 +211,43 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             " / ".join(f"{100 * g['vs_drafter']['delta']:+.1f} (p {g['vs_drafter']['p']:.2f})" for g in guards)
         )
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [
+    for rule in RULES:
+        lines += steering_table(rows, rule)
+    return "\n".join(lines) + "\n"
+
+
+def steering_table(rows: list[dict[str, Any]], rule: str) -> list[str]:
+    lines = [
         "",
-        "## Loop steering (`loop_steer=2, loop_span=32`) on top of token healing",
+        f"## Loop steering, {rule} (`loop_steer=2, loop_span=32`, `{RULES[rule]}/`), on top of token healing",
         "",
         "Only the answers steering can change were decoded again (`steerable`: some prefix of the healed answer "
         "ends in a stretch of 32+ bytes repeated twice in a row); every other answer is the healed one, exactly. "
-        "Changed: re-decoded answers whose text differs. Guard: `loop_guard=3` applied to the steered answers.",
+        "Changed: re-decoded answers whose text differs. Steered points: where the drafter's token stands in the "
+        "final answers. Rolled back: tokens taken back and decoded again. Guard: `loop_guard=3` applied to the "
+        "steered answers.",
         "",
-        "| Task | Row | Re-decoded | Changed | Steered points | Loops healed → steered / target (count) | "
-        "Lost to loops, steered | Acc. healed | Acc. steered | Δ steered (95 % CI), p | Guard fires (%) | "
+        "| Task | Row | Re-decoded | Changed | Steered points | Rolled back | Loops healed → steered / target (count) "
+        "| Lost to loops, steered | Acc. healed | Acc. steered | Δ steered (95 % CI), p | Guard fires (%) | "
         "Δ with guard |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        if "steered" not in r:
+        run = r.get(f"steered {rule}")
+        if run is None:
             continue
-        st, after, g = r["steering"], r["after"], r["steered_guard"]
-        met = "met" if r["steered"]["loop_count"] <= r["target_loops"] else "missed"
-        d = r["steered"]["vs_drafter"]
+        st, after, g = r[f"steering {rule}"], r["after"], r[f"steered {rule}_guard"]
+        met = "met" if run["loop_count"] <= r["target_loops"] else "missed"
+        d = run["vs_drafter"]
         cells = [
             r["task"], r["row"], str(st["redecoded"]), str(st["changed"]), str(st["steered_points"]),
-            f"{after['loop_count']} → {r['steered']['loop_count']} / {r['target_loops']} ({met})",
-            str(r["steered"]["lost_to_loops"]), pct(after["accuracy"]), pct(r["steered"]["accuracy"]),
+            str(st["rolled_back_tokens"]), f"{after['loop_count']} → {run['loop_count']} / {r['target_loops']} ({met})",
+            str(run["lost_to_loops"]), pct(after["accuracy"]), pct(run["accuracy"]),
             f"{100 * d['delta']:+.1f} ({100 * d['ci95'][0]:+.1f} to {100 * d['ci95'][1]:+.1f}), {d['p']:.3f}",
             pct(g["fired"]), f"{100 * g['vs_drafter']['delta']:+.1f} (p {g['vs_drafter']['p']:.2f})",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main() -> None:
