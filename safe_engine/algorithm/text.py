@@ -67,9 +67,14 @@ def ends_in_loop(data: bytes | bytearray, span: int, repeats: int) -> bool:
     return loop_period(data, span, repeats) is not None
 
 
-def loop_period(data: bytes | bytearray, span: int, repeats: int) -> int | None:
+DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+
+
+def loop_period(data: bytes | bytearray, span: int, repeats: int, digits_equal: bool = False) -> int | None:
     """The period, in bytes, of the repetition `data` ends in (one stretch of at least `span` bytes repeated
-    `repeats` times in a row), or None.
+    `repeats` times in a row), or None. With `digits_equal`, all digits count as one: a numbered list whose
+    lines repeat ("13. **Step 13: ...", "14. **Step 14: ...") is a loop although no two lines are the same
+    (most GSM8K loops of the accuracy study).
 
     Why this shape: a greedy model that loops repeats a sentence or a paragraph until the budget ends it
     (the accuracy study's looping answers: periods of 4 to 265 characters). A shorter period counts through
@@ -81,6 +86,8 @@ def loop_period(data: bytes | bytearray, span: int, repeats: int) -> int | None:
     if n < span * repeats:
         return None
     view = bytes(data[-LOOP_WINDOW:])
+    if digits_equal:
+        view = view.translate(DIGITS_AS_ZERO)
     n = len(view)
     tail = view[-span:]
     end = n - 1  # occurrences must end before the text does

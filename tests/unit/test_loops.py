@@ -40,6 +40,18 @@ def test_a_short_period_counts_through_its_multiples_and_span_bounds_the_repetit
     assert not ends_in_loop(b"x = 1\n" * 5, 32, 3)  # 30 bytes of repetition: below 3 x 32
 
 
+def test_a_numbered_list_that_repeats_its_lines_is_a_loop_when_digits_count_as_equal():
+    """GSM8K's loops count on while they repeat ("13. **Step 13: ...", "14. **Step 14: ..."): never two equal
+    lines, so only loop steering's digit-blind view sees them; the guard's exact view does not."""
+    steps = b"".join(b"%d. **Step %d: Calculate the total distance John drives.**\n" % (i, i) for i in range(11, 14))
+    for n in (2, 3):
+        text = b"Let us think.\n" + steps[: len(steps) * n // 3]
+        assert loop_period(text, 32, n, digits_equal=True) == len(steps) // 3
+        assert loop_period(text, 32, n) is None and not ends_in_loop(text, 32, n)
+    assert loop_period(b"12 apples and 34 pears. " * 2, 8, 2) == 24  # equal copies: the same either way
+    assert loop_period(b"12 apples and 34 pears. " * 2, 8, 2, digits_equal=True) == 24
+
+
 def test_text_that_never_repeats_a_long_stretch_is_not_a_loop():
     rows = b"".join(b"| %d | %d | %d |\n" % (i, i * i, i * i * i) for i in range(60))  # a table: similar rows
     assert not any(ends_in_loop(rows[:k], 32, 3) for k in range(1, len(rows) + 1))

@@ -5,10 +5,11 @@
 "Before" is the study's records in this folder (the engine of issue 17: the drafter handed the pick's own token).
 "After" is `rerun-31/`: the same harness, problems and budgets with the engine that heals the handover
 (`token_healing=True`, the default since issue 31). "Steered" is the healed answers with loop steering on
-(`loop_steer=2`), under each of its two rules (`RULES`): the answers it can change (`steerable`) were decoded again,
-the rest are the healed ones. `back-31/` holds the rule the engine has, going back to the replacement inside a loop's
-last copy; `steer-31/` the first rule (an earlier engine), which kept the drafter's token only at a pick that itself
-completed the second copy. Per task and row, on the
+(`loop_steer=2`), under each of its rules (`RULES`): the answers a rule can change (`steerable`) were decoded again,
+the rest are the healed ones. `digits-31/` holds the rule the engine has: go back to the first replacement inside the
+last copy of a loop, digits counting as equal. `back-31/` is the same rule with exact copies, `steer-31/` the first
+rule, which kept the drafter's token only at a pick that itself completed the second copy (both earlier engines).
+Per task and row, on the
 problems both runs of that row and the drafter alone answered: the share of answers cut in a loop
 (`summarize.loops`), accuracy, and the paired comparison with the drafter alone (difference with a paired bootstrap
 interval, McNemar's exact p). "Lost to loops" counts the problems the drafter alone solved where the row's answer
@@ -32,7 +33,7 @@ sys.path.insert(0, str(HERE.parents[2]))
 
 from summarize import loops  # noqa: E402
 
-from safe_engine.algorithm.text import ends_in_loop  # noqa: E402
+from safe_engine.algorithm.text import DIGITS_AS_ZERO, ends_in_loop  # noqa: E402
 from safe_engine.eval import bootstrap_difference, load_task, mcnemar, score  # noqa: E402
 
 TASKS = ("mmlu-redux", "arc", "gsm8k")
@@ -41,7 +42,12 @@ DRAFTER = "qwen alone"
 SECOND = "smollm2 alone"  # the three-member row's loopiest-but-one member
 GUARD = (3, 32)  # loop_guard, loop_span: the documented setting
 STEER = (2, 32)  # loop_steer, loop_span: the loop-steering rows' setting (accuracy.py LOOP_STEER)
-RULES = {"at the pick": "steer-31", "going back": "back-31"}  # loop steering's rules: where each one's answers are
+# loop steering's rules: the folder of each one's answers, and whether its loops count digits as equal
+RULES = {
+    "at the pick": ("steer-31", False),
+    "going back": ("back-31", False),
+    "going back, digits equal": ("digits-31", True),
+}
 
 
 def records(folder: Path, task: str) -> dict[str, dict[str, dict[str, Any]]]:
@@ -66,11 +72,12 @@ def first_loop_end(data: bytes, setting: tuple[int, int]) -> int | None:
     return next((k for k in range(span * repeats, len(data) + 1) if ends_in_loop(data[:k], span, repeats)), None)
 
 
-def steerable(r: dict[str, Any]) -> bool:
+def steerable(r: dict[str, Any], digits_equal: bool = True) -> bool:
     """Whether loop steering can change the record's greedy answer: only where some prefix of it ends in a
-    stretch of 32 bytes or more repeated twice in a row. Either rule acts only at a token that ends such a
-    prefix, and every other answer is decoded exactly as without it."""
-    return first_loop_end(str(r["text"]).encode(), STEER) is not None
+    stretch of 32 bytes or more repeated twice in a row (`digits_equal`: digits counting as one). Every rule
+    acts only at a token that ends such a prefix, and every other answer is decoded exactly as without it."""
+    data = str(r["text"]).encode()
+    return first_loop_end(data.translate(DIGITS_AS_ZERO) if digits_equal else data, STEER) is not None
 
 
 def guarded(r: dict[str, Any], problem: Any) -> tuple[bool, bool]:
@@ -96,7 +103,7 @@ def compare(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:
 
 def task_table(task: str) -> list[dict[str, Any]]:
     before, after = records(HERE, task), records(HERE / "rerun-31", task)
-    steer = {rule: records(HERE / folder, task) for rule, folder in RULES.items()}
+    steer = {rule: records(HERE / folder, task) for rule, (folder, _) in RULES.items()}
     problems = {p.id: p for p in load_task(task, limit=150)}
     drafter, second = before[DRAFTER], before[SECOND]
     out = []
@@ -114,11 +121,11 @@ def task_table(task: str) -> list[dict[str, Any]]:
             target = sum(looping(drafter[i]) for i in ids) + 1
         entry["target_loops"] = target
         runs = {}
-        for rule in RULES:
+        for rule, (_, digits_equal) in RULES.items():
             decoded = steer[rule].get(f"{row}, loop steering", {})
             if not (entry["rerun"] and decoded):
                 continue
-            redo = [i for i in ids if steerable(new[i])]
+            redo = [i for i in ids if steerable(new[i], digits_equal)]
             done = [i for i in redo if i in decoded]
             entry[f"steering {rule}"] = {
                 "redecoded": len(redo),
@@ -219,7 +226,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def steering_table(rows: list[dict[str, Any]], rule: str) -> list[str]:
     lines = [
         "",
-        f"## Loop steering, {rule} (`loop_steer=2, loop_span=32`, `{RULES[rule]}/`), on top of token healing",
+        f"## Loop steering, {rule} (`loop_steer=2, loop_span=32`, `{RULES[rule][0]}/`), on top of token healing",
         "",
         "Only the answers steering can change were decoded again (`steerable`: some prefix of the healed answer "
         "ends in a stretch of 32+ bytes repeated twice in a row); every other answer is the healed one, exactly. "
