@@ -89,6 +89,12 @@ def guarded(r: dict[str, Any], problem: Any) -> tuple[bool, bool]:
     return score(problem, data[:k].decode(errors="replace")).correct, True
 
 
+def looping_guarded(r: dict[str, Any]) -> bool:
+    """Whether the record's answer still loops until the budget with the loop guard on: a loop the guard's
+    exact repetition does not see (a counter that changes from copy to copy, a period over 500 bytes)."""
+    return looping(r) and first_loop_end(str(r["text"]).encode(), GUARD) is None
+
+
 def compare(a: Sequence[bool], b: Sequence[bool]) -> dict[str, Any]:
     low, high = bootstrap_difference(a, b)
     test = mcnemar(a, b)
@@ -115,11 +121,11 @@ def task_table(task: str) -> list[dict[str, Any]]:
         base = [bool(drafter[i]["correct"]) for i in ids]
         entry: dict[str, Any] = {"task": task, "row": row, "n": len(ids), "rerun": all(i in new for i in ids)}
         entry["drafter"] = {"loops": sum(looping(drafter[i]) for i in ids) / len(ids), "accuracy": sum(base) / len(ids)}
-        if "3 models" in row:
-            target = sum(looping(second[i]) for i in ids)
-        else:
-            target = sum(looping(drafter[i]) for i in ids) + 1
-        entry["target_loops"] = target
+        # the target, and the same bound with the guard on both sides (the loops each leaves to the budget)
+        bound = second if "3 models" in row else drafter
+        extra = 0 if "3 models" in row else 1
+        entry["target_loops"] = sum(looping(bound[i]) for i in ids) + extra
+        entry["target_loops_guarded"] = sum(looping_guarded(bound[i]) for i in ids) + extra
         runs = {}
         for rule, (_, digits_equal) in RULES.items():
             decoded = steer[rule].get(f"{row}, loop steering", {})
@@ -159,6 +165,7 @@ def task_table(task: str) -> list[dict[str, Any]]:
             outcome = [guarded(recs[i], problems[i]) for i in ids]
             entry[f"{name}_guard"] = {
                 "fired": sum(f for _, f in outcome) / len(ids),
+                "loop_count": sum(looping_guarded(recs[i]) for i in ids),
                 "accuracy": sum(c for c, _ in outcome) / len(ids),
                 "vs_drafter": compare([c for c, _ in outcome], base),
             }
@@ -232,12 +239,14 @@ def steering_table(rows: list[dict[str, Any]], rule: str) -> list[str]:
         "ends in a stretch of 32+ bytes repeated twice in a row); every other answer is the healed one, exactly. "
         "Changed: re-decoded answers whose text differs. Steered points: where the drafter's token stands in the "
         "final answers. Rolled back: tokens taken back and decoded again. Guard: `loop_guard=3` applied to the "
-        "steered answers.",
+        "steered answers. Guard on too: the steered answers that still loop until the budget with the guard on, "
+        "against the target with the guard on its side as well (the drafter's, or SmolLM2's, loops the guard "
+        "does not end).",
         "",
         "| Task | Row | Re-decoded | Changed | Steered points | Rolled back | Loops healed → steered / target (count) "
         "| Lost to loops, steered | Acc. healed | Acc. steered | Δ steered (95 % CI), p | Guard fires (%) | "
-        "Δ with guard |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Δ with guard | Loops, guard on too / target with guard (count) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         run = r.get(f"steered {rule}")
@@ -252,6 +261,8 @@ def steering_table(rows: list[dict[str, Any]], rule: str) -> list[str]:
             str(run["lost_to_loops"]), pct(after["accuracy"]), pct(run["accuracy"]),
             f"{100 * d['delta']:+.1f} ({100 * d['ci95'][0]:+.1f} to {100 * d['ci95'][1]:+.1f}), {d['p']:.3f}",
             pct(g["fired"]), f"{100 * g['vs_drafter']['delta']:+.1f} (p {g['vs_drafter']['p']:.2f})",
+            f"{g['loop_count']} / {r['target_loops_guarded']} "
+            f"({'met' if g['loop_count'] <= r['target_loops_guarded'] else 'missed'})",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return lines
