@@ -110,9 +110,8 @@ class GenerationConfig:
         metadata={
             "doc": "steer away from a repetition: once the answer ends in a stretch of at least loop_span bytes "
             "occurring this many times in a row (digits counting as equal), go back to the first ensemble "
-            "replacement inside its last copy "
-            "and keep the drafter's own token there (a stream holds back text it may still take back); None: off "
-            "(the paper's method)",
+            "replacement inside those copies and keep the drafter's own token there (a stream holds back text it "
+            "may still take back); None: off (the paper's method)",
             "cli": {"metavar": "REPEATS"},
         },
     )

@@ -589,29 +589,32 @@ class Generation:
     def _steer_target(self, first: int, n: int) -> Point | None:
         """Loop steering, checked at each token's end (here the round's n-th, generated token first + n - 1):
         where the text has come to end in a repetition (a stretch of loop_span+ bytes, loop_steer times in a
-        row, digits counting as equal) and an ensemble replacement lies inside its last copy, the first such
+        row, digits counting as equal) and an ensemble replacement lies inside those copies, the first such
         replacement, to go back to and let the drafter's own token stand there.
 
         Why there, and why afterwards: in the accuracy study a pick starts the loop and the drafter continues
         it alone (issue 31, mmlu-redux/nutrition/1: a pick began the sentence's second copy, and the drafter
         wrote every later copy with no replacement). The loop is certain only once the copies stand, when that
-        pick lies behind. Going back to it undoes the ensemble's part in the loop and nothing else. Digits count
-        as equal because most GSM8K loops are numbered lists that repeat their lines ("13. **Step 13: ...").
-        A loop with no replacement in its last copy is the drafter's own and stays (the guard can end it).
+        pick lies behind, often in the first copy: the drafter copies the pick along with the rest (all eight
+        GSM8K UniTE+SAFE loops that survived going back to the last copy, traced). Going back to it undoes the
+        ensemble's part in the loop and nothing else. Digits count as equal because most GSM8K loops are
+        numbered lists that repeat their lines ("13. **Step 13: ..."). A loop with no replacement in its copies
+        is the drafter's own and stays (the guard can end it).
         Checked token by token, the greedy text is the same whatever the rounds; each token taken back is
         decoded again, at most max_new_tokens of them per answer, and never further back than STEER_REACH bytes
         from the end."""
-        data = self.buffer.data
+        data, copies = self.buffer.data, cast(int, self.config.loop_steer)
         settled = self._settled
         self._settled = max(settled, len(data) - STEER_REACH)
-        if self.stats.rolled_back_tokens >= self.config.max_new_tokens:
-            return None
-        period = loop_period(data, self.config.loop_span, cast(int, self.config.loop_steer), digits_equal=True)
+        period = loop_period(data, self.config.loop_span, copies, digits_equal=True)
         if period is None:
             return None
-        start = max(len(data) - period, settled)
+        start = max(len(data) - copies * period, settled)
         fresh = (Point(o, first + j, r, s) for j, o, _, r, _, s in self._points if j < n)
-        return next((p for p in itertools.chain(self._committed, fresh) if p.replaced and p.offset >= start), None)
+        target = next((p for p in itertools.chain(self._committed, fresh) if p.replaced and p.offset >= start), None)
+        if target is None or self.stats.rolled_back_tokens + first + n - target.token > self.config.max_new_tokens:
+            return None
+        return target
 
     def _go_back(self, point: Point) -> None:
         """Take back the text from `point` on: the members, the grammar, the stats, the trace and the logprobs

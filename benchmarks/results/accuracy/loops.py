@@ -6,9 +6,10 @@
 "After" is `rerun-31/`: the same harness, problems and budgets with the engine that heals the handover
 (`token_healing=True`, the default since issue 31). "Steered" is the healed answers with loop steering on
 (`loop_steer=2`), under each of its rules (`RULES`): the answers a rule can change (`steerable`) were decoded again,
-the rest are the healed ones. `digits-31/` holds the rule the engine has: go back to the first replacement inside the
-last copy of a loop, digits counting as equal. `back-31/` is the same rule with exact copies, `steer-31/` the first
-rule, which kept the drafter's token only at a pick that itself completed the second copy (both earlier engines).
+the rest are the healed ones. `copies-31/` holds the rule the engine has: go back to the first replacement inside the
+two copies of a loop, digits counting as equal. `digits-31/` went back only to a replacement inside the last copy,
+`back-31/` did so with exact copies, `steer-31/` kept the drafter's token only at a pick that itself completed the
+second copy (all three earlier engines).
 Per task and row, on the
 problems both runs of that row and the drafter alone answered: the share of answers cut in a loop
 (`summarize.loops`), accuracy, and the paired comparison with the drafter alone (difference with a paired bootstrap
@@ -47,6 +48,7 @@ RULES = {
     "at the pick": ("steer-31", False),
     "going back": ("back-31", False),
     "going back, digits equal": ("digits-31", True),
+    "going back into both copies, digits equal": ("copies-31", True),
 }
 
 
