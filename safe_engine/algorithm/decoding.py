@@ -606,6 +606,8 @@ class Generation:
         data, copies = self.buffer.data, cast(int, self.config.loop_steer)
         settled = self._settled
         self._settled = max(settled, len(data) - STEER_REACH)
+        if self.stats.rolled_back_tokens >= self.config.max_new_tokens:
+            return None  # the budget is spent: no per-token loop search any more
         period = loop_period(data, self.config.loop_span, copies, digits_equal=True)
         if period is None:
             return None
