@@ -9,6 +9,7 @@ the drafter alone finished, and must catch the loops that answers ending at the 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -94,24 +95,28 @@ def test_the_guard_never_fires_on_an_answer_the_drafter_alone_finished_and_catch
 
 # -- the loop guard in the engine --------------------------------------------------------------------------
 CYCLE = [" the", " cat", " sat", " on", " a", " mat", "."]
+LOOP = dict(zip(CYCLE, CYCLE[1:] + CYCLE[:1]))  # each word -> the next word of the cycle
 
 
-def looping_member(name: str = "qwen2.5-7b-instruct") -> Member:
-    """A tiny model that, past its prompt, writes " the cat sat on a mat." forever: its blocks add nothing to
-    the residual stream, so its hidden state is the current token's embedding, and its head maps each word's
-    embedding to the next word of the cycle."""
+def looping_member(name: str = "qwen2.5-7b-instruct", nexts: Mapping[str, str | None] = LOOP) -> Member:
+    """A tiny model that follows `nexts` (word -> next word, None for end of text); by default, past its prompt,
+    it writes " the cat sat on a mat." forever. Its blocks add nothing to the residual stream, so its hidden
+    state is the current token's embedding, and its head maps each word's embedding to the next word."""
     tok = tokenizer(name)
     model = tiny_model(len(tok), 11, tok.eos_token_id)
     model = type(model)(model.config).eval()  # a copy: the cached tiny model stays as it is
-    words = [tok.convert_tokens_to_ids(tok.tokenize(w))[0] for w in CYCLE]
+
+    def token(word: str | None) -> int:
+        return tok.eos_token_id if word is None else tok.convert_tokens_to_ids(tok.tokenize(word))[0]
+
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         head.zero_()
-        for here, after in zip(words, words[1:] + words[:1]):
-            head[after] = 50 * embed[here] / embed[here].norm()
+        for here, after in nexts.items():
+            head[token(after)] += 50 * embed[token(here)] / embed[token(here)].norm()
     return Member(model, tok, name=f"{name}-loop")
 
 
@@ -186,6 +191,34 @@ def test_loop_steering_goes_back_to_the_replacement_that_helped_the_text_into_a_
     assert twins.generate(" the", max_new_tokens=60, loop_steer=2).text == free_twins.text
     # steering and the guard together: steered until the guard ends a repetition the drafter keeps writing
     assert twins.generate(" the", max_new_tokens=60, loop_steer=2, loop_guard=3).finish_reason == "repetition"
+
+
+def test_loop_steering_ends_a_loop_the_verifier_keeps_going_where_the_drafter_alone_would_leave_it():
+    """The study's mechanism in miniature: both members know " the cat sat on a mat." and " the dog ran away"
+    (then end of text), and the drafter alone takes the dog; the verifier, weighted above it, replaces " dog" by
+    " cat" at every " the", so the free answer is a loop with one replacement in each copy. Steering goes back to
+    the first replacement inside the two copies, keeps " dog" there, and the answer ends within the budget."""
+    away = {" Once": " more", " more": ",", ",": " the", " dog": " ran", " ran": " away", " away": None}
+    verifier = looping_member(nexts={**LOOP, **away})
+    drafter = looping_member(nexts={**LOOP, **away, " the": " dog"})
+    ens = Ensemble([drafter, verifier], weights=[1, 2])
+    options = {"max_new_tokens": 80, "trace": True}
+    alone = ens.generate(" Once", method="single", **options)
+    assert alone.text == " more, the dog ran away" and alone.finish_reason == "eos"
+    free = ens.generate(" Once", **options)
+    assert free.finish_reason == "length" and free.text.count(" the cat sat on a mat.") >= 10
+    assert [p.chosen for p in free.trace if p.replaced] == [" cat"] * free.stats.replaced_tokens
+    steered = ens.generate(" Once", loop_steer=2, **options)
+    assert (steered.text, steered.finish_reason, steered.stats.tokens) == (alone.text, "eos", alone.stats.tokens)
+    assert not ends_in_loop(steered.text.encode(), 32, 2)
+    points = [p for p in steered.trace if p.steered]
+    assert len(points) == steered.stats.steered_tokens == 1
+    assert (points[0].offset, points[0].handed, points[0].chosen) == (len(" more, the"), " dog", " cat")
+    # went back over the copies it had written (two of " cat sat on a mat. the", 7 tokens each, or more)
+    assert 14 <= steered.stats.rolled_back_tokens <= 80 and steered.stats.replaced_tokens == 0
+    # the stream shows none of the copies it took back
+    stream = ens.stream(" Once", loop_steer=2, max_new_tokens=80)
+    assert "".join(stream) == steered.text and "cat" not in "".join(stream)
 
 
 @pytest.mark.parametrize(
