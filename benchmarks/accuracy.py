@@ -90,10 +90,12 @@ BBH_SUBTASKS = ("boolean_expressions", "navigate", "object_counting", "sports_un
 
 
 def load_problems(task: str, limit: int, start: int = 0, subtasks: tuple[str, ...] = BBH_SUBTASKS) -> list[Problem]:
-    """The problems of a run, deterministically: see the module docstring. ``start`` skips problems (per
-    subtask for bbh) so a run can be split."""
+    """The problems of a run, deterministically: see the module docstring. ``start`` skips the problems of
+    ``--limit START`` (per subtask for bbh) so a run can be split: START + LIMIT problems in two runs are the
+    START + LIMIT of one run, each once (by id: mmlu-redux's stratified subset is not in selection order)."""
     if task != "bbh":
-        return load_task(task, limit=start + limit)[start:]
+        skipped = {p.id for p in load_task(task, limit=start)} if start else set()
+        return [p for p in load_task(task, limit=start + limit) if p.id not in skipped]
     per_task, extra = divmod(limit, len(subtasks))
     out: list[Problem] = []
     for i, sub in enumerate(subtasks):

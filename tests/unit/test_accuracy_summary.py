@@ -152,3 +152,23 @@ def test_core_rows_level_with_each_other_get_no_second_table(tmp_path: Path, sum
     lines, numbers = summarize.study(tmp_path, "gsm8k")
 
     assert "core_ahead" not in numbers and not any(line.startswith("While") for line in lines)
+
+
+# (start, limit) of each part; bbh's start counts per subtask (5 subtasks: --limit 30 is 6 of each)
+SPLITS = ((0, 60), (60, 15), (75, 75))
+
+
+@pytest.mark.parametrize(
+    "task, parts", [("mmlu-redux", SPLITS), ("arc", SPLITS), ("gsm8k", SPLITS), ("bbh", ((0, 30), (6, 120)))]
+)
+def test_a_run_split_with_start_answers_each_problem_of_the_whole_run_once(task: str, parts: tuple) -> None:
+    """Runs split with `--start` must cover the problems of the whole run, each once; mmlu-redux's subset is
+    stratified over subjects, so its first S+L problems are not its first S followed by the next L in order."""
+    spec = importlib.util.spec_from_file_location("accuracy", ROOT / "benchmarks/accuracy.py")
+    assert spec is not None and spec.loader is not None
+    accuracy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(accuracy)
+    whole = [p.id for p in accuracy.load_problems(task, 150)]
+    split = [p.id for start, n in parts for p in accuracy.load_problems(task, n, start)]
+    assert len(whole) == len(set(whole)) == 150
+    assert sorted(split) == sorted(whole)
