@@ -31,7 +31,7 @@ import torch
 from .algorithm.decoding import ScheduleGauge
 from .engine.ensemble import Ensemble
 from .runtime.members import Member, load_member
-from .runtime.placement import engine_thread, use_threads
+from .runtime.placement import available_cores, cpu_model, engine_thread, use_threads
 
 PROMPT = (
     "Write a detailed, friendly explanation for a curious twelve-year-old of how a bicycle works: "
@@ -169,29 +169,67 @@ def floor(config: dict, run: dict, t_d: float, t5: Sequence[float], t1: Sequence
     return t_d / (t_d + sum(t5) / max(drafted, 1.0))
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the upper one of an even count), with every run's figure beside it."""
+    median = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+    return {**median, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
+
+
+def cpu_info() -> dict:
+    """The CPU as `lscpu` names it, and its flags (what decides which kernels and thread counts are fast)."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        flags = next(
+            (ln.split(":", 1)[1] for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), ""
+        )
+    return {"model_name": cpu_model(), "cores": available_cores(), "flags": flags.split()}
+
+
 def bench_ensemble(
     specs: Sequence[str],
     lengths: Sequence[int],
     configs: dict[str, dict] = CONFIGS,
     draft_length: int = 5,
     hf_threads: Sequence[int] = (),
+    repeats: int = 1,
+    quantization: str | None = None,
 ) -> dict:
-    members = [load_member(s) for s in specs]
+    """Every configuration at every length, `repeats` times in turns with HF `generate` of the drafter (a
+    machine whose speed drifts, a hypervisor's neighbours, then moves both alike): medians and each run."""
+    members = [load_member(s, quantization=quantization) for s in specs]
+    started = time.perf_counter()
     ens = Ensemble(members)
+    placement_s = time.perf_counter() - started
     ens.generate(PROMPT, max_new_tokens=2)  # warm-up (allocator, first-call paths)
     drafter, verifiers = members[0], members[1:]
     placement = ens.placement.describe() if ens.placement is not None else None
-    out: dict = {"members": list(ens.names), "drafter": ens.names[0], "placement": placement, "lengths": {}}
+    out: dict = {
+        "members": list(ens.names),
+        "drafter": ens.names[0],
+        "quantization": quantization,
+        "placement": placement,
+        "placement_s": placement_s,
+        "lengths": {},
+    }
     t5 = {m.name: verify_forward(m, PROMPT) for m in members}
     t1 = {m.name: verify_forward(m, PROMPT, k=1) for m in members}
     out["t5_s"], out["t1_s"] = t5, t1
     needs_all = any(c.get("method") == "every_token" for c in configs.values())  # its floor sums them
     for n in lengths:
-        hf = {m.name: hf_per_token(m, PROMPT, n) for m in (members if needs_all else members[:1])}
-        row: dict = {"hf_generate": hf, "configs": {}}
+        hf_runs: dict[str, list[dict]] = {m.name: [] for m in (members if needs_all else members[:1])}
+        config_runs: dict[str, list[dict]] = {name: [] for name in configs}
+        for _ in range(repeats):
+            for m in members if needs_all else members[:1]:
+                hf_runs[m.name].append(hf_per_token(m, PROMPT, n))
+            for name, options in configs.items():
+                run = engine_run(ens, n, fresh_gauge=not options, draft_length=draft_length, **options)
+                config_runs[name].append(run)
+        hf = {name: _median_run(runs) for name, runs in hf_runs.items()}
+        row: dict = {"hf_generate": hf, "configs": {name: _median_run(runs) for name, runs in config_runs.items()}}
         row["hf_generate_threads"] = {str(k): hf_per_token(drafter, PROMPT, n, threads=k) for k in hf_threads}
-        for name, options in configs.items():
-            row["configs"][name] = engine_run(ens, n, fresh_gauge=not options, draft_length=draft_length, **options)
+        for name, runs in config_runs.items():  # each run over the HF run just before it
+            pairs = zip(runs, hf_runs[drafter.name])
+            row["configs"][name]["vs_drafter_alone_runs"] = [r["tokens_per_s"] / h["tokens_per_s"] for r, h in pairs]
         t_d = hf[drafter.name]["s_per_token"]
         hf_tps = hf[drafter.name]["tokens_per_s"]
         t5_v, t1_v = [t5[v.name] for v in verifiers], [t1[v.name] for v in verifiers]
@@ -304,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--hf-threads", type=int, nargs="+", default=[], help="also time HF generate with these thread counts"
     )
+    p.add_argument("--repeats", type=int, default=1, help="run everything this many times in turns; medians")
+    p.add_argument("--quantize", choices=["int8"], help="load the members quantized")
     p.add_argument("--out", help="write the JSON here as well as to stdout")
     p.add_argument("--plot", help="write a PNG of wall time vs new tokens")
     p.add_argument("--markdown", help="write a Markdown table of the results")
@@ -335,10 +375,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     with busy_neighbour(args.neighbour):
         result = {
             "date": time.strftime("%Y-%m-%d %H:%M"),
+            "cpu": cpu_info(),
             "torch_threads": torch.get_num_threads(),
+            "repeats": args.repeats,
             "neighbour": args.neighbour,
             "prompt": PROMPT,
-            "runs": [bench_ensemble(specs, args.lengths, configs, hf_threads=args.hf_threads) for specs in sets],
+            "runs": [
+                bench_ensemble(
+                    specs,
+                    args.lengths,
+                    configs,
+                    hf_threads=args.hf_threads,
+                    repeats=args.repeats,
+                    quantization=args.quantize,
+                )
+                for specs in sets
+            ],
         }
     text = json.dumps(result, indent=2)
     print(text)

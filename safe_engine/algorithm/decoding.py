@@ -19,7 +19,7 @@ of k tokens (k = 1 while the verifiers keep up) while the verifiers, on other co
 chunk before it, so their forward is off the critical path and a replacement costs at most the chunk drafted
 meanwhile. Both judge every position on the same text, so they give the same greedy output, and the choice
 is made per round: schedule="auto" runs a lone request in whichever schedule `ScheduleGauge` timed faster.
-On the CPU, `runtime.placement` says how many threads each side's forwards get.
+On the CPU, `runtime.placement` says how many threads each kind of forward gets (measured at load).
 """
 
 from __future__ import annotations
@@ -742,8 +742,9 @@ def _run_round(gens: Sequence[Generation]) -> None:
     lone = gens[0] if len(gens) == 1 else None  # with many live requests, batching comes first
     overlap = lone is not None and lone.can_overlap
     placement = gens[0].placement
-    if placement is not None:
-        use_threads(placement.drafter if lone is not None else placement.batch, placement.process)
+    if placement is not None:  # beside the verifiers, alone (rounds, single), or a batch's phases: each its count
+        count = placement.batch if lone is None else placement.drafter if overlap else placement.alone
+        use_threads(count, placement.process)
     started, rounds = time.perf_counter(), gens[0].stats.rounds
     ahead = gens[0].stats.tokens + len(gens[0].pending)  # accepted + drafted ahead (carried into the round)
     live = []
@@ -785,18 +786,17 @@ def _run_round(gens: Sequence[Generation]) -> None:
 
 
 def _verify(work: Sequence[tuple[Track, Job]], live: Sequence[Generation]) -> list[list[Row]]:
-    """The verifiers' rows in a round without overlap. A lone request on the CPU scores them on the engine's
-    verifying thread with the verifiers' thread count, as the overlap schedule does: the same forwards with
-    the same threads in either schedule."""
+    """The verifiers' rows in a round without overlap. A lone request on the CPU scores them on the drafter's
+    thread, after its drafting, with the count measured fastest for them (`Placement.verifying`): one phase
+    after another, with no hand-over to another thread and its own thread team."""
     placement = live[0].placement if live else None
-    executor = live[0].executor if live else None
-    if len(live) == 1 and placement is not None and executor is not None and work:
-        return executor.submit(_on_verifier_threads, placement, _score_all, work).result()
+    if len(live) == 1 and placement is not None and work:
+        use_threads(placement.verifying, placement.process)
     return _score_all(work, _executor(live))
 
 
 def _on_verifier_threads(placement: Placement | None, fn: Any, *args: Any) -> Any:
-    """`fn(*args)` with the verifiers' thread count, where the engine places threads."""
+    """`fn(*args)` with the verifiers' thread count beside the drafter, where the engine places threads."""
     if placement is not None:
         use_threads(placement.verifiers, placement.process)
     return fn(*args)

@@ -48,7 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             reply["logprobs"] = {"content": [e.to_dict() for e in result.logprobs]}
         print(json.dumps({**reply, "stats": result.stats.to_dict()}, ensure_ascii=False))
     else:
-        print(stats_line(result), file=sys.stderr)
+        print(stats_line(result, ens), file=sys.stderr)
     if args.trace is not None:
         _write_trace(result, args.trace)
     return 0
@@ -85,7 +85,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(delta, end="", flush=True)
         print()
         assert stream.result is not None
-        print(stats_line(stream.result), file=sys.stderr)
+        print(stats_line(stream.result, ens), file=sys.stderr)
         history.append({"role": "assistant", "content": stream.result.text})
     return 0
 

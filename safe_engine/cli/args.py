@@ -98,13 +98,16 @@ def load(args: argparse.Namespace, max_batch_size: int = 8, announce: bool = Tru
         max_batch_size=max_batch_size,
     )
     if announce:
-        print(
-            f"[loaded {', '.join(ens.names)} in {time.perf_counter() - started:.1f} s; "
-            f"drafter {ens.names[ens.drafter_index]}]",
-            file=sys.stderr,
-        )
+        print(loaded_line(ens, time.perf_counter() - started), file=sys.stderr)
     return ens
 
 
-def stats_line(result: GenerationResult) -> str:
-    return f"[{result.stats.summary()}; finish={result.finish_reason}]"
+def loaded_line(ens: Ensemble, seconds: float) -> str:
+    """What was loaded, in how long, and where its forwards run (the placement measured at load)."""
+    placement = f"; threads: {ens.placement.describe()}" if ens.placement is not None else ""
+    return f"[loaded {', '.join(ens.names)} in {seconds:.1f} s; drafter {ens.names[ens.drafter_index]}{placement}]"
+
+
+def stats_line(result: GenerationResult, ens: Ensemble | None = None) -> str:
+    placement = "" if ens is None or ens.placement is None else f"; threads: {ens.placement.describe(measured=False)}"
+    return f"[{result.stats.summary()}; finish={result.finish_reason}{placement}]"

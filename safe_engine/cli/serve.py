@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import ConfigError, SafeEngineError
 from ..shaping.request import build_request
-from .args import add_generation_args, add_model_args, load, options
+from .args import add_generation_args, add_model_args, load, loaded_line, options
 
 
 def add_parser(sub: Any) -> None:
@@ -90,11 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def ready(state: Any) -> None:
         ens = state.ensemble
-        print(
-            f"[loaded {', '.join(ens.names)} in {time.perf_counter() - started:.1f} s; "
-            f"drafter {ens.names[ens.drafter_index]}]",
-            file=sys.stderr,
-        )
+        print(loaded_line(ens, time.perf_counter() - started), file=sys.stderr)
         print(f"Serving {state.name!r} at {url}/v1 (Ctrl-C to stop)", flush=True)
 
     def failed(err: BaseException) -> None:

@@ -16,7 +16,14 @@ from ..algorithm.aggregation import UnionVocab
 from ..algorithm.decoding import Generation, Lineup, ScheduleGauge
 from ..errors import ConfigError, InputError, InputTypeError
 from ..runtime.members import Member, ModelSpec, check_device, load_member, resolve_spec, unique_names
-from ..runtime.placement import Placement, engine_thread, plan_placement
+from ..runtime.placement import (
+    Placement,
+    engine_thread,
+    measure_forwards,
+    plan_placement,
+    thread_counts,
+    threads_chosen_by_user,
+)
 from ..runtime.quantization import check_quantization
 from ..shaping.reply import StreamEvent
 from ..shaping.request import Request, build_request
@@ -195,8 +202,9 @@ class Ensemble:
         "none" or a tool name; `parallel_tool_calls=False`: one call at most) or `json_schema` /
         `response_format` constrain the output with a grammar (`shaping.constrained`), whichever member
         proposed the text; the result's `tool_calls` are the calls read back."""
-        ticket = self._scheduler.submit(self._start(self.request(prompt, **kwargs)))
+        ticket = self._scheduler.submit(self._start(self.request(prompt, **kwargs)), lead=True)
         try:
+            self._scheduler.lead([ticket])  # decode on this thread while no other runs the rounds
             return collect(ticket)
         finally:
             ticket.cancel()  # a no-op once it is over; after an interrupt (Ctrl-C) the request stops too
@@ -219,8 +227,9 @@ class Ensemble:
                 started.append(self._start(self.request(item, **kwargs)))
             else:
                 started.append(self._start(self.request(messages=item, **kwargs)))
-        tickets = [self._scheduler.submit(gen) for gen in started]
+        tickets = [self._scheduler.submit(gen, lead=True) for gen in started]
         try:
+            self._scheduler.lead(tickets)
             return [collect(t) for t in tickets]
         finally:
             for t in tickets:
@@ -409,8 +418,12 @@ def _devices(device_map: str | Sequence[str | None] | None, n: int) -> list[str 
 
 
 def _placement(members: Sequence[Member], drafter: int) -> Placement | None:
-    """The CPU placement of the members' forwards (None unless every member is a local one on the CPU)."""
+    """The CPU placement of the members' forwards (None unless every member is a local one on the CPU), from
+    their forwards timed here at each thread count worth trying (unless the user chose torch's threads)."""
     devices = [m.device for m in members]
     if any(not isinstance(d, torch.device) or d.type != "cpu" for d in devices):
         return None
-    return plan_placement([m.weight_bytes for m in members], drafter)
+    weights = [m.weight_bytes for m in members]
+    counts = thread_counts(weights, drafter)
+    measure = len(counts) > 1 and not threads_chosen_by_user(torch.get_num_threads())
+    return plan_placement(weights, drafter, measure_forwards(members, counts) if measure else None)

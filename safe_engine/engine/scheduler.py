@@ -1,9 +1,11 @@
-"""Continuous batching: one worker thread runs the rounds of every live request together.
+"""Continuous batching: one thread at a time runs the rounds of every live request together.
 
 Requests come from any thread (`generate`, `stream`) or asyncio task (`agenerate`, `astream`). Each one
 joins at the next round and leaves when it finishes, fails or is cancelled; a round batches its phases over
 all live requests (`decoding.run_round`), so eight requests cost about as many forward passes as one, each
-a little wider. The worker exists only while there is work, and the interpreter's exit cancels what is left.
+a little wider. The rounds run on a worker thread that exists only while there is work, or, for a blocking
+`generate`, on the caller's own thread while no other thread runs them (`Scheduler.lead`); the
+interpreter's exit cancels what is left.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import cast
 
 from ..algorithm.decoding import Generation, run_round
 from ..errors import ConfigError, InputError
-from ..runtime.placement import engine_thread
+from ..runtime.placement import engine_thread, lent_thread
 from ..shaping.reply import Reply, StreamEvent
 from ..stats import GenerationResult, TokenLogprob
 from .memory import release_free_memory
@@ -121,18 +123,56 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
         self._live: list[Ticket] = []
-        self._worker: threading.Thread | None = None
+        self._worker: threading.Thread | None = None  # the thread running rounds: a worker, or a caller leading
         self._ending: threading.Thread | None = None  # the last worker, which may still be returning
+        self._leading = False  # `_worker` is a caller's thread (`lead`), not one of ours
         _schedulers.add(self)
 
-    def submit(self, generation: Generation, loop: asyncio.AbstractEventLoop | None = None) -> Ticket:
+    def submit(
+        self, generation: Generation, loop: asyncio.AbstractEventLoop | None = None, lead: bool = False
+    ) -> Ticket:
+        """Queue a request for the next round. `lead`: the caller blocks on it next and will run the rounds on
+        its own thread (`lead`) unless a thread runs them already; otherwise a worker thread starts if none runs."""
         ticket = Ticket(generation, loop)
         with self._cond:
             self._waiting.append(ticket)
-            if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="safe-scheduler", daemon=True)
-                self._worker.start()
+            if self._worker is None and not lead:
+                self._start_worker()
         return ticket
+
+    def _start_worker(self) -> None:
+        """A worker thread for the rounds (called with the lock held, when no thread runs them)."""
+        self._worker = threading.Thread(target=self._run, name="safe-scheduler", daemon=True)
+        self._worker.start()
+
+    def lead(self, tickets: Sequence[Ticket]) -> None:
+        """Run the rounds on the calling thread until `tickets` are over, unless another thread runs them
+        already; hand what is left then to a worker thread. The caller's requests share these rounds with any
+        that join meanwhile, as they would on a worker.
+
+        Why the caller's thread: torch runs a forward's operators on an OpenMP thread team that belongs to the
+        thread calling it and stays docked there afterwards. With a docked team on one thread (a caller that
+        ran `generate` of transformers, an embedding model...) libgomp counts more threads than cores and
+        throttles every other thread's team, whose workers then sleep and wake at each operator: on the 2-core
+        Xeon the engine's worker thread decoded at about half the speed of the caller's own thread. Decoding
+        where the caller's team already is uses it instead of adding a second one."""
+        me = threading.current_thread()
+        with self._cond:
+            if self._worker is not None:
+                return
+            self._worker, self._leading = me, True
+        try:
+            with lent_thread():  # the placement may set this thread's count, put back when it returns
+                while not all(t.done for t in tickets) and self._round(leader=True):
+                    pass
+        finally:
+            with self._cond:
+                if self._worker is me:
+                    self._worker = None
+                    if self._live or self._waiting:
+                        self._start_worker()
+                self._leading = False
+                self._cond.notify_all()
 
     @property
     def running(self) -> int:
@@ -164,11 +204,17 @@ class Scheduler:
         Why: the worker is a daemon thread, and a process that exits while it is inside a round of torch
         work can abort in the interpreter's teardown (SIGABRT instead of a clean exit status).
         """
-        return _join_within(self._workers(), timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:  # a caller leading the rounds returns on its own: wait for it to hand them over
+            if not self._cond.wait_for(lambda: not self._leading, timeout):
+                return False
+        return _join_within(self._workers(), None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _workers(self) -> list[threading.Thread]:
+        """The worker threads that run or ran rounds and may still be returning (not a caller leading)."""
         with self._cond:
-            return [w for w in (self._worker, self._ending) if w is not None]
+            running = None if self._leading else self._worker
+            return [w for w in (running, self._ending) if w is not None]
 
     def _run(self) -> None:
         engine_thread()  # the placement may set this thread's torch thread count
@@ -178,13 +224,14 @@ class Scheduler:
         # server grows wave after wave). Nothing of theirs is referenced any more: `_round`'s frame is gone.
         release_free_memory()
 
-    def _round(self) -> bool:
-        """Admit waiting requests and run one round of the live ones; False (the worker ends) when none is left."""
+    def _round(self, leader: bool = False) -> bool:
+        """Admit waiting requests and run one round of the live ones; False (the worker, or the `leader`,
+        stops) when none is left."""
         with self._cond:
             while self._waiting and len(self._live) < self.max_batch_size:
                 self._live.append(self._waiting.popleft())
             if not self._live:
-                self._worker, self._ending = None, self._worker
+                self._worker, self._ending = None, self._ending if leader else self._worker
                 return False
             live = list(self._live)
         ready = [t for t in live if not t.generation.cancelled]
@@ -226,7 +273,8 @@ def _join_within(threads: list[threading.Thread], timeout: float | None) -> bool
 
 
 def collect(ticket: Ticket) -> GenerationResult:
-    """Block until the request is over; its result, or its error raised here."""
+    """Block until the request is over (the rounds run elsewhere, or ran here: `Scheduler.lead`); its result,
+    or its error raised here."""
     for event in ticket.events():
         if event.result is not None:
             return event.result

@@ -215,7 +215,10 @@ def test_cli_serves_then_shuts_down_gracefully_on_a_signal(model_dirs, sig):
             last = json.loads(events[-2])  # its last chunk says why, in OpenAI's error shape
             assert last["error"]["code"] == "server_shutdown" and "shutting down" in last["error"]["message"]
         assert proc.wait(timeout=30) == 0
-        assert "[server stopped: 0 open requests, no decoding thread left]" in proc.stderr.read()
+        stderr = proc.stderr.read()
+        assert "[server stopped: 0 open requests, no decoding thread left]" in stderr
+        # the startup line says where the forwards run (OMP_NUM_THREADS=1 here: the user's count is kept)
+        assert "threads: user: 1 thread(s) for every forward" in stderr
     finally:
         if proc.poll() is None:
             proc.kill()

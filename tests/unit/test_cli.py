@@ -50,6 +50,10 @@ def test_generate_stream_prints_text_and_stats(model_dirs, capsys):
     captured = capsys.readouterr()
     assert rc == 0 and captured.out.strip()
     assert "E/T" in captured.err and "forward passes" in captured.err
+    # where the forwards run: measured and chosen at load, repeated on the stats line
+    assert "[loaded " in captured.err and "threads: " in captured.err.splitlines()[-1]
+    placement = next(line for line in captured.err.splitlines() if line.startswith("[loaded "))
+    assert "drafter alone" in placement or "every forward" in placement  # the engine's, or the user's threads
 
 
 @pytest.mark.parametrize(

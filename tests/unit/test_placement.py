@@ -1,5 +1,7 @@
-"""The CPU placement: the engine splits its cores between the drafter and the verifiers unless the user
-chose torch's threads, sets thread counts on its own threads only, and never changes the greedy text."""
+"""The CPU placement: the engine times its members' forwards at each thread count worth trying and plans from
+them (the drafter alone at its fastest count, the verifying phase at the verifiers' fastest, overlap only where it
+can pay), unless the user chose torch's threads; sets thread counts on its own threads only, and never changes
+the greedy text."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import torch
 
 from safe_engine import Ensemble
 from safe_engine.runtime import placement as placement_module
-from safe_engine.runtime.placement import Placement, plan_placement
+from safe_engine.runtime.placement import Placement, Timing, plan_placement
+from tests.conftest import tiny_member
 from tests.unit.test_quantization import int8_member
 
 PROMPT = "The quick brown fox"
@@ -29,6 +32,89 @@ def machine(monkeypatch):
         monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads or cores)
 
     return set_up
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The placement's clock made a machine: each timed forward takes `costs[threads]` seconds, by the calling
+    thread's torch count at the time."""
+
+    def set_up(costs: dict[int, float]) -> None:
+        now = [0.0]
+
+        def clock() -> float:
+            now[0] += costs[torch.get_num_threads()]  # read before and after a forward: one cost between
+            return now[0]
+
+        monkeypatch.setattr(placement_module, "perf_counter", clock)
+
+    return set_up
+
+
+# Timings in seconds as measured on the project's two kinds of machine (one-token step, 5-token pass):
+AMD = [  # 2-core AMD EPYC, AVX2 only: one thread is the faster
+    Timing("qwen", step={1: 0.139, 2: 0.151}, chunk={1: 0.27, 2: 0.25}),
+    Timing("smollm2", step={1: 0.050, 2: 0.048}, chunk={1: 0.082, 2: 0.070}),
+]
+XEON = [  # 2-core Intel Xeon, AVX-512 + AMX: two threads nearly halve a step
+    Timing("qwen", step={1: 0.205, 2: 0.110}, chunk={1: 0.41, 2: 0.21}),
+    Timing("smollm2", step={1: 0.070, 2: 0.047}, chunk={1: 0.13, 2: 0.085}),
+]
+
+
+def test_the_plan_follows_what_was_measured_on_each_kind_of_machine(machine):
+    machine(2)
+    amd = plan_placement([400, 100], drafter=0, timings=AMD)
+    assert (amd.alone, amd.verifying, amd.drafter, amd.verifiers, amd.batch) == (1, 2, 1, 1, 2)
+    assert amd.spare  # overlap: max(139, 48) ms a token against rounds' 139 + 70 / 5: the gauge times it
+    assert amd.predicted == pytest.approx({"rounds": 0.139 + 0.070 / 5, "overlap": 0.139})
+    xeon = plan_placement([400, 100], drafter=0, timings=XEON)
+    assert (xeon.alone, xeon.verifying, xeon.batch) == (2, 2, 2)
+    assert not xeon.spare  # the drafter on one core (205 ms) loses to rounds on two (110 + 85 / 5): not tried
+    assert "not worth trying" in xeon.describe() and "qwen step 1t 205 ms, 2t 110 ms" in xeon.describe()
+    alone = plan_placement([400], drafter=0, timings=XEON[:1])  # method="single" / a one-member ensemble
+    assert (alone.alone, alone.batch, alone.spare) == (2, 2, False)
+    assert plan_placement([400], drafter=0, timings=AMD[:1]).alone == 1
+    machine(2, torch_threads=1)  # the user's count wins over any measurement
+    assert plan_placement([400, 100], drafter=0, timings=XEON).alone == 1
+
+
+@pytest.mark.parametrize("faster", [1, 2], ids=["one-thread-machine", "two-thread-machine"])
+def test_an_ensemble_measures_its_members_and_runs_each_forward_at_the_faster_count(faster, fake_clock, monkeypatch):
+    """A machine where one thread is faster and one where two are (the fake clock says so): the ensemble built
+    on it times its members, and the drafter alone, the rounds schedule's phases and a batch run at that count."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(placement_module, "available_cores", lambda: 2)
+    monkeypatch.setattr(placement_module, "physical_cores", lambda: 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # torch's default on a 2-core machine
+    try:
+        fake_clock({faster: 1 / 64, 3 - faster: 1 / 32})  # binary fractions: exact sums, exact ties
+        members = [tiny_member("qwen2.5-7b-instruct", 1), tiny_member("llama2", 2)]
+        ens = Ensemble(members)
+        placement = ens.placement
+        assert placement is not None and placement.chosen_by == "engine"
+        assert [t.name for t in placement.timings] == ens.names
+        assert all(t.step == {faster: 1 / 64, 3 - faster: 1 / 32} for t in placement.timings), placement.timings
+        assert (placement.alone, placement.verifying, placement.batch) == (faster, faster, faster)
+        assert placement.spare == (faster == 1)  # split 1 + 1 is as fast as each alone only on the first
+        seen: dict[str, set[int]] = {"drafter": set(), "verifiers": set()}
+        for member, side in zip(members, seen):
+            original = member.forward_many
+
+            def counted(jobs, original=original, side=side):
+                seen[side].add(torch.get_num_threads())
+                return original(jobs)
+
+            member.forward_many = counted
+        ens.generate(PROMPT, max_new_tokens=8, method="single")
+        ens.generate(PROMPT, max_new_tokens=12, schedule="rounds")
+        ens.generate_batch([PROMPT, "Hello there"], max_new_tokens=6)
+        assert seen == {"drafter": {faster}, "verifiers": {faster}}
+        assert torch.get_num_threads() == 2  # the caller's thread kept its count
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_engine_splits_the_cores_by_the_weights_each_side_reads(machine):
@@ -102,6 +188,7 @@ def test_the_placement_never_changes_the_greedy_text(quantized):
         Placement(2, 1, 1, 2, process, "engine"),
         Placement(2, 1, 1, 1, process, "user"),
         Placement(4, 2, 2, 2, process, "user"),
+        Placement(2, 1, 1, 2, process, "engine", alone=2, verifying=2, overlap=True),
     ]
     for placement in placements:
         ens.placement = placement
@@ -111,9 +198,10 @@ def test_the_placement_never_changes_the_greedy_text(quantized):
             assert res.stats.ensembled_tokens == reference.stats.ensembled_tokens
 
 
-def test_every_door_gets_the_engines_placement_or_keeps_the_users_threads(machine, model_dirs):
+def test_every_door_gets_the_engines_placement_or_keeps_the_users_threads(machine, fake_clock, model_dirs):
     """The engine, the CLI's loader (which `generate` and `serve` share), LangChain (SafeLLM, ChatSafe) and
-    LlamaIndex all decode through an `Ensemble` that placed its work, or kept the user's thread count."""
+    LlamaIndex all decode through an `Ensemble` that measured its members and placed its work, or kept the
+    user's thread count."""
     from langchain_safe import ChatSafe
     from langchain_safe import SafeLLM as LangChainLLM
     from llamaindex_safe import SafeLLM as LlamaIndexLLM
@@ -132,8 +220,10 @@ def test_every_door_gets_the_engines_placement_or_keeps_the_users_threads(machin
         ]
 
     machine(2)
+    fake_clock({2: 1 / 64})  # every count as fast: the fewer threads win the tie
     engine = placements()
     assert all(p is not None and p.chosen_by == "engine" and (p.drafter, p.verifiers) == (1, 1) for p in engine)
-    assert len(set(engine)) == 1
+    assert all(p is not None and len(p.timings) == 2 and p.timings[0].step == {1: 1 / 64, 2: 1 / 64} for p in engine)
+    assert len(set(engine)) == 1 and engine[0] is not None and engine[0].alone == 1
     machine(2, torch_threads=1)  # torch.set_num_threads(1) in the user's script
     assert all(p is not None and p.chosen_by == "user" and p.drafter == p.verifiers == 1 for p in placements())
