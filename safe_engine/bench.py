@@ -283,6 +283,33 @@ def speed_table(results: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ratio_table(results: Sequence[dict]) -> str:
+    """Markdown: per CPU, member set and length, HF `generate`'s tokens/s and each configuration's ratio over
+    it (median runs), with the replacements' floor of SAFE (kept tokens over drafter passes). docs/speed.md
+    holds this table as generated from the committed JSON (a test regenerates it)."""
+    lines = [
+        "| CPU | members | weights | new tokens | HF `generate` tok/s | `single` | SAFE default | SAFE floor |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        cpu = result.get("cpu", {}).get("model_name", "?")
+        for run in result["runs"]:
+            members = " + ".join(run["members"])
+            weights = run.get("quantization") or "float32"
+            for n, row in run["lengths"].items():
+                configs = row["configs"]
+                cells = []
+                for name in ("single", "safe default"):
+                    cells.append(f"{configs[name]['vs_drafter_alone']:.2f}" if name in configs else "–")
+                safe = configs.get("safe default")
+                floor = "–"
+                if safe is not None:
+                    floor = f"{safe['tokens'] / max(safe['forward_passes'][run['drafter']], 1):.2f}"
+                hf = row["hf_generate"][run["drafter"]]["tokens_per_s"]
+                lines.append(f"| {cpu} | {members} | {weights} | {n} | {hf:.2f} | {' | '.join(cells)} | {floor} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_speed(results: Sequence[dict], path: str | Path) -> None:
     """Wall time against new tokens, one line per configuration, one panel per member set.
 

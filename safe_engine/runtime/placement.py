@@ -6,8 +6,8 @@ AMD EPYC (AVX2) this engine was first tuned on, HF `generate` of Qwen2.5-0.5B ra
 thread and 6.6 with two; on a 2-core Intel Xeon (AVX-512, AMX) at 6.4 and 11.3. A constant tuned on one
 machine is a bug on the other. So, unless the user chose torch's thread count, the engine times each
 member's one-token step and its `CHUNK`-token pass (a verification) at 1 thread and at the candidate
-counts up to all cores, on a thread of its own, when the ensemble is built (`measure_forwards`), and plans
-from those times (`plan_placement`):
+counts up to all cores, when the ensemble is built, on the thread that builds it (`measure_forwards`), and
+plans from those times (`plan_placement`):
 
 - the drafter alone (`method="single"`, the rounds schedule's drafting) gets its fastest one-token count;
 - the rounds schedule's verifying phase gets the count that makes the verifiers' passes fastest;
@@ -41,7 +41,8 @@ from .members import crop_cache
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _local = threading.local()
 CHUNK = 5  # tokens of the measured verification pass (the default draft_length)
-REPEATS = 2  # timed forwards per shape and count; the faster is kept (a busy moment only slows one down)
+REPEATS = 3  # timed forwards per shape and count; the fastest is kept (a busy moment only slows one down)
+WARM = 2  # untimed one-token steps first at each count
 OVERLAP_MARGIN = 0.05  # overlap is offered to the gauge when predicted within 5 % of rounds (it times both)
 
 
@@ -167,26 +168,14 @@ _measured: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Timing]] = weakr
 
 
 def measure_forwards(members: Sequence[Any], counts: Sequence[int]) -> list[Timing]:
-    """Each member's `Timing` at each of `counts` threads, measured on a short-lived engine thread (so that a
-    count set there touches no other thread, and its OpenMP pool ends with it)."""
+    """Each member's `Timing` at each of `counts` threads, measured on the calling thread (lent to the engine,
+    its count put back after): the thread that builds an ensemble is the one whose `generate` calls will
+    run the rounds (`Scheduler.lead`), with the OpenMP team it may already have (see `scheduler`)."""
     key = tuple(counts)
-    missing = [m for m in members if key not in _measured.get(m, {})]
-    if missing:
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            engine_thread()
-            try:
-                for member in missing:
-                    _measured.setdefault(member, {})[key] = time_forwards(member, counts)
-            except BaseException as err:  # handed to the caller
-                failure.append(err)
-
-        worker = threading.Thread(target=run, name="safe-measure")
-        worker.start()
-        worker.join()
-        if failure:
-            raise failure[0]
+    with lent_thread():
+        for member in members:
+            if key not in _measured.get(member, {}):
+                _measured.setdefault(member, {})[key] = time_forwards(member, counts)
     return [_measured[m][key] for m in members]
 
 
@@ -204,8 +193,9 @@ def time_forwards(member: Any, counts: Sequence[int]) -> Timing:
         use_threads(count, process)
         cache = member.new_cache()
         member.forward(prompt, cache)
-        member.forward(tail[:1], cache)
-        crop_cache(cache, len(prompt))  # warm: a new count starts a new thread team
+        for _ in range(WARM):  # a new count starts a new thread team; quantized kernels pack on first use
+            member.forward(tail[:1], cache)
+            crop_cache(cache, len(prompt))
         for shape, out in ((tail[:1], step), (tail, chunk)):
             times = []
             for _ in range(REPEATS):

@@ -4,6 +4,7 @@ exactly its solo result, whoever joins, leaves or is cancelled on the way."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -211,3 +212,41 @@ def test_one_request_failing_leaves_the_others_running(chat3):
     assert results["ok"].text == expected
     assert isinstance(results["late"], GenerationTimeout)
     assert chat3.open_requests == 0
+
+
+def test_a_blocking_generate_decodes_on_the_callers_thread_and_hands_over_what_is_left(monkeypatch):
+    """`generate` runs the rounds on the caller's thread while no other thread runs them (its OpenMP team is
+    the one torch already has there); a request that joins meanwhile shares those rounds, and what is left when
+    the caller's request ends goes on in a worker thread. Texts are each request's solo text."""
+    ens = Ensemble([tiny_member("qwen2.5-7b-instruct", 1), tiny_member("llama2", 2)])
+    short_alone = ens.generate(PROMPT, max_new_tokens=8).text
+    long_alone = ens.generate("Hello", max_new_tokens=40).text
+    rounds: list[tuple[str, int]] = []  # (thread, requests in the round)
+    run_round = decoding.run_round
+    results: dict[str, object] = {}
+    joiner = threading.Thread(
+        target=lambda: results.setdefault("long", ens.generate("Hello", max_new_tokens=40)), name="joiner"
+    )
+
+    def recording(gens):
+        rounds.append((threading.current_thread().name, len(gens)))
+        if len(rounds) == 1 and "long" not in results:  # the caller leads its first round: a second caller arrives
+            joiner.start()
+            deadline = time.monotonic() + 30
+            while ens.waiting_requests == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return run_round(gens)
+
+    monkeypatch.setattr("safe_engine.engine.scheduler.run_round", recording)
+    caller = threading.current_thread().name
+    short = ens.generate(PROMPT, max_new_tokens=8)
+    joiner.join(60)
+    assert short.text == short_alone and results["long"].text == long_alone
+    threads = [name for name, _ in rounds]
+    assert threads[0] == caller and "joiner" not in threads  # the joiner waited for the caller's rounds...
+    assert any(name == caller and width == 2 for name, width in rounds)  # ...shared them...
+    assert threads[-1] == "safe-scheduler"  # ...and a worker took over what was left
+    assert ens.wait_idle(30) and ens.open_requests == 0
+    rounds.clear()  # ("long" is in results: the hook starts no second joiner)
+    stream = ens.stream(PROMPT, max_new_tokens=8)  # a stream decodes in the background, on a worker
+    assert "".join(stream) == short_alone and {name for name, _ in rounds} == {"safe-scheduler"}
