@@ -125,7 +125,7 @@ class Scheduler:
         self._live: list[Ticket] = []
         self._worker: threading.Thread | None = None  # the thread running rounds: a worker, or a caller leading
         self._ending: threading.Thread | None = None  # the last worker, which may still be returning
-        self._leading = False  # `_worker` is a caller's thread (`lead`), not one of ours
+        self._leader: threading.Thread | None = None  # a caller's thread running the rounds (`lead`), not ours
         _schedulers.add(self)
 
     def submit(
@@ -160,7 +160,7 @@ class Scheduler:
         with self._cond:
             if self._worker is not None:
                 return
-            self._worker, self._leading = me, True
+            self._worker = self._leader = me
         try:
             with lent_thread():  # the placement may set this thread's count, put back when it returns
                 while not all(t.done for t in tickets) and self._round(leader=True):
@@ -171,8 +171,12 @@ class Scheduler:
                     self._worker = None
                     if self._live or self._waiting:
                         self._start_worker()
-                self._leading = False
+                idle = self._worker is None
+                if self._leader is me:  # (another caller may lead already, once `_round` found nothing left)
+                    self._leader = None
                 self._cond.notify_all()
+            if idle:  # what the requests freed goes back to the OS, as a worker does when it ends
+                release_free_memory()
 
     @property
     def running(self) -> int:
@@ -206,14 +210,14 @@ class Scheduler:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:  # a caller leading the rounds returns on its own: wait for it to hand them over
-            if not self._cond.wait_for(lambda: not self._leading, timeout):
+            if not self._cond.wait_for(lambda: self._leader is None, timeout):
                 return False
         return _join_within(self._workers(), None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _workers(self) -> list[threading.Thread]:
         """The worker threads that run or ran rounds and may still be returning (not a caller leading)."""
         with self._cond:
-            running = None if self._leading else self._worker
+            running = None if self._worker is self._leader else self._worker
             return [w for w in (running, self._ending) if w is not None]
 
     def _run(self) -> None:
