@@ -18,8 +18,9 @@ plans from those times (`plan_placement`):
   count for a `CHUNK`-token pass.
 
 A thread count is set per thread (OpenMP keeps one per thread) and only on the engine's own threads (the
-scheduler's worker, the forward pool): a caller's threads keep torch's settings, and torch's process-wide
-default is left as the user had it. Greedy text never depends on any of this.
+scheduler's worker, the forward pool) or on a caller's thread while it is lent to the engine (measuring, a
+blocking `generate` running the rounds), which gets its count back: torch's process-wide default is left as
+the user had it. Greedy text never depends on any of this.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..errors import MemberError
 from .members import crop_cache
 
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -174,8 +176,16 @@ def measure_forwards(members: Sequence[Any], counts: Sequence[int]) -> list[Timi
     key = tuple(counts)
     with lent_thread():
         for member in members:
-            if key not in _measured.get(member, {}):
+            if key in _measured.get(member, {}):
+                continue
+            try:
                 _measured.setdefault(member, {})[key] = time_forwards(member, counts)
+            except Exception as err:  # the member's first forward: say which member cannot run
+                raise MemberError(
+                    f"member {member.name!r} failed a forward pass while the ensemble timed its thread counts: "
+                    f"{type(err).__name__}: {err}",
+                    member=member.name,
+                ) from err
     return [_measured[m][key] for m in members]
 
 

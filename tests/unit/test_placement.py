@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from safe_engine import Ensemble
+from safe_engine import Ensemble, MemberError
 from safe_engine.runtime import placement as placement_module
 from safe_engine.runtime.placement import Placement, Timing, plan_placement
 from tests.conftest import tiny_member
@@ -227,3 +227,25 @@ def test_every_door_gets_the_engines_placement_or_keeps_the_users_threads(machin
     assert len(set(engine)) == 1 and engine[0] is not None and engine[0].alone == 1
     machine(2, torch_threads=1)  # torch.set_num_threads(1) in the user's script
     assert all(p is not None and p.chosen_by == "user" and p.drafter == p.verifiers == 1 for p in placements())
+
+
+def test_a_member_that_cannot_run_a_forward_is_named_when_the_ensemble_times_it(fake_clock, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(placement_module, "available_cores", lambda: 2)
+    monkeypatch.setattr(placement_module, "physical_cores", lambda: 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        broken = tiny_member("llama2", 2)
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("out of memory")
+
+        broken.forward = fail
+        with pytest.raises(MemberError, match=r"llama2-2.*timed its thread counts.*out of memory") as raised:
+            Ensemble([tiny_member("qwen2.5-7b-instruct", 1), broken])
+        assert raised.value.member == "llama2-2"
+        assert torch.get_num_threads() == 2  # the caller's count is back
+    finally:
+        torch.set_num_threads(before)
