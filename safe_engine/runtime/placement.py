@@ -6,7 +6,7 @@ AMD EPYC (AVX2) this engine was first tuned on, HF `generate` of Qwen2.5-0.5B ra
 thread and 6.6 with two; on a 2-core Intel Xeon (AVX-512, AMX) at 6.4 and 11.3. A constant tuned on one
 machine is a bug on the other. So, unless the user chose torch's thread count, the engine times each
 member's one-token step and its `CHUNK`-token pass (a verification) at 1 thread and at the candidate
-counts up to all cores, when the ensemble is built, on the thread that builds it (`measure_forwards`), and
+counts up to all cores, when the ensemble is built, on a short-lived thread of its own (`measure_forwards`), and
 plans from those times (`plan_placement`):
 
 - the drafter alone (`method="single"`, the rounds schedule's drafting) gets its fastest one-token count;
@@ -170,22 +170,36 @@ _measured: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Timing]] = weakr
 
 
 def measure_forwards(members: Sequence[Any], counts: Sequence[int]) -> list[Timing]:
-    """Each member's `Timing` at each of `counts` threads, measured on the calling thread (lent to the engine,
-    its count put back after): the thread that builds an ensemble is the one whose `generate` calls will
-    run the rounds (`Scheduler.lead`), with the OpenMP team it may already have (see `scheduler`)."""
+    """Each member's `Timing` at each of `counts` threads, measured on a short-lived engine thread: a count set
+    there touches no other thread, and its OpenMP team ends with it. (On the building thread the team would
+    stay docked there, and throttle the worker thread that decodes streams and the server's requests: `make
+    demo` fell to 1.0 tok/s that way.)"""
     key = tuple(counts)
-    with lent_thread():
-        for member in members:
-            if key in _measured.get(member, {}):
-                continue
+    missing = [m for m in members if key not in _measured.get(m, {})]
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        engine_thread()
+        for member in missing:
             try:
                 _measured.setdefault(member, {})[key] = time_forwards(member, counts)
             except Exception as err:  # the member's first forward: say which member cannot run
-                raise MemberError(
-                    f"member {member.name!r} failed a forward pass while the ensemble timed its thread counts: "
-                    f"{type(err).__name__}: {err}",
-                    member=member.name,
-                ) from err
+                failure.append(
+                    MemberError(
+                        f"member {member.name!r} failed a forward pass while the ensemble timed its thread counts: "
+                        f"{type(err).__name__}: {err}",
+                        member=member.name,
+                    )
+                )
+                failure[-1].__cause__ = err
+                return
+
+    if missing:
+        worker = threading.Thread(target=run, name="safe-measure")
+        worker.start()
+        worker.join()
+    if failure:
+        raise failure[0]
     return [_measured[m][key] for m in members]
 
 
