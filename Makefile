@@ -5,6 +5,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
+# llama.cpp is built from source by pip. A native build (-march=native) crashed in llama_decode on a Xeon whose
+# CPUID reports AMX, and this project's machines change kind (AMD EPYC with AVX2 only; Intel Xeon with AVX-512):
+# one portable AVX2 build runs on both (docs/llamacpp.md measures what it costs). Your own CMAKE_ARGS win.
+CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+export CMAKE_ARGS
+CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc)
+export CMAKE_BUILD_PARALLEL_LEVEL
 
 .PHONY: demo test test-unit lint bench eval clean
 

@@ -64,6 +64,9 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
     trust_remote_code: bool = False
     quantization: str | None = None
     """"int8": members with int8 linear layers (CPU; bitsandbytes 8-bit on a GPU), see docs/quantization.md."""
+    backend: str | list[str] = "auto"
+    """"auto" (a GGUF source on the CPU runs in llama.cpp when installed), "torch", "llama.cpp" or "ray"; or one
+    per model. See docs/llamacpp.md."""
     max_retries: int | None = None
     """LangChain's standard parameter; only 0 / None: a generation in this process is not retried."""
     top_logprobs: int | None = None
@@ -197,7 +200,11 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
         params: dict[str, Any] = {"models": self.member_names, "drafter": self.drafter_name}
         if self.ensemble is None:
             params.update(
-                weights=self.weights, device_map=self.device_map, dtype=self.dtype, quantization=self.quantization
+                weights=self.weights,
+                device_map=self.device_map,
+                dtype=self.dtype,
+                quantization=self.quantization,
+                backend=self.backend,
             )
         params.update({k: getattr(self, k) for k in KNOBS})
         return params

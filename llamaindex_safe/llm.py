@@ -99,7 +99,7 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
 
     Pass either `ensemble=` (an already built `safe_engine.Ensemble`) or `models=[spec, ...]` (hub ids,
     directories, `.gguf` files, demo model names or `ModelSpec`s, loaded on first use with `drafter`,
-    `weights`, `device_map`, `dtype`, `quantization` and `trust_remote_code`). Generation options (every
+    `weights`, `device_map`, `dtype`, `quantization`, `backend` and `trust_remote_code`). Generation options (every
     `GenerationConfig` field) are fields and can be overridden per call:
     `llm.complete(prompt, max_new_tokens=32, method="every_token")`; `timeout` is enforced per generation.
 
@@ -124,6 +124,10 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
     trust_remote_code: bool = Field(default=False, description="Allow models that ship their own code.")
     quantization: str | None = Field(
         default=None, description='"int8": int8 linear layers (CPU; bitsandbytes 8-bit on a GPU).'
+    )
+    backend: str | list[str] = Field(
+        default="auto",
+        description='"auto" (a GGUF source on the CPU runs in llama.cpp when installed), "torch", "llama.cpp", "ray".',
     )
     top_logprobs: int | None = Field(
         default=None, description="With logprobs=True: the most likely alternatives (0-20) reported per token."

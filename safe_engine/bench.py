@@ -31,7 +31,7 @@ import torch
 from .algorithm.decoding import ScheduleGauge
 from .engine.ensemble import Ensemble
 from .runtime.members import Member, load_member
-from .runtime.placement import available_cores, cpu_model, engine_thread, use_threads
+from .runtime.placement import cpu_info, engine_thread, use_threads
 
 PROMPT = (
     "Write a detailed, friendly explanation for a curious twelve-year-old of how a bicycle works: "
@@ -173,16 +173,6 @@ def _median_run(runs: list[dict]) -> dict:
     """The run with the median tokens/s (the upper one of an even count), with every run's figure beside it."""
     median = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
     return {**median, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
-
-
-def cpu_info() -> dict:
-    """The CPU as `lscpu` names it, and its flags (what decides which kernels and thread counts are fast)."""
-    flags = ""
-    with contextlib.suppress(OSError):
-        flags = next(
-            (ln.split(":", 1)[1] for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), ""
-        )
-    return {"model_name": cpu_model(), "cores": available_cores(), "flags": flags.split()}
 
 
 def bench_ensemble(

@@ -36,6 +36,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="int8: members with int8 linear layers (CPU; bitsandbytes 8-bit on a GPU); docs/quantization.md",
     )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "torch", "llama.cpp"),
+        default="auto",
+        help="where members run: auto (a GGUF source on the CPU in llama.cpp when installed, else torch), torch, "
+        "llama.cpp; docs/llamacpp.md",
+    )
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -95,6 +102,7 @@ def load(args: argparse.Namespace, max_batch_size: int = 8, announce: bool = Tru
         device_map=args.device,
         dtype=args.dtype,
         quantization=args.quantize,
+        backend=args.backend,
         max_batch_size=max_batch_size,
     )
     if announce:
@@ -105,7 +113,8 @@ def load(args: argparse.Namespace, max_batch_size: int = 8, announce: bool = Tru
 def loaded_line(ens: Ensemble, seconds: float) -> str:
     """What was loaded, in how long, and where its forwards run (the placement measured at load)."""
     placement = f"; threads: {ens.placement.describe()}" if ens.placement is not None else ""
-    return f"[loaded {', '.join(ens.names)} in {seconds:.1f} s; drafter {ens.names[ens.drafter_index]}{placement}]"
+    members = ", ".join(f"{name} ({m.backend})" for name, m in zip(ens.names, ens.members))
+    return f"[loaded {members} in {seconds:.1f} s; drafter {ens.names[ens.drafter_index]}{placement}]"
 
 
 def stats_line(result: GenerationResult, ens: Ensemble | None = None) -> str:

@@ -15,6 +15,7 @@ import torch
 from ..algorithm.aggregation import UnionVocab
 from ..algorithm.decoding import Generation, Lineup, ScheduleGauge
 from ..errors import ConfigError, InputError, InputTypeError
+from ..runtime.llamacpp import load_llamacpp_member, local_runtime
 from ..runtime.members import Member, ModelSpec, check_device, load_member, resolve_spec, unique_names
 from ..runtime.placement import (
     Placement,
@@ -109,7 +110,7 @@ class Ensemble:
         device_map: str | Sequence[str | None] | None = None,
         dtype: str | torch.dtype | None = None,
         trust_remote_code: bool = False,
-        backend: str | Sequence[str] = "local",
+        backend: str | Sequence[str] = "auto",
         ray_address: str | None = None,
         member_resources: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
         member_timeout_s: float | None = None,
@@ -121,7 +122,10 @@ class Ensemble:
         `quantization="int8"` loads every member whose ModelSpec does not say otherwise with int8 linear
         layers on the CPU (bitsandbytes 8-bit on a GPU, untested here); see docs/quantization.md.
 
-        backend="ray" (or a list with one "local"/"ray" per member) loads members in Ray actors on the
+        `backend` (for all members, or a list with one per member; a ModelSpec's own wins): "auto" runs a GGUF
+        source (a .gguf file, a demo name) on the CPU in llama.cpp when llama-cpp-python is installed
+        (docs/llamacpp.md) and anything else in torch; "torch" and "llama.cpp" choose.
+        backend="ray" loads members in Ray actors on the
         cluster at `ray_address` ("auto", "ray://host:10001"; None: the current or a new local one), with
         `member_resources` per actor (a dict for all, or a list per member, e.g. {"num_gpus": 1}) and
         `member_timeout_s` per actor call (default 120 s). See docs/ray.md.
@@ -130,12 +134,13 @@ class Ensemble:
             raise InputTypeError("specs must be a non-empty list of model specs, e.g. ['smollm2-135m', 'gemma3-270m']")
         from ..runtime.ray import resolve_backends, start_ray_members
 
-        backends = resolve_backends(backend, len(specs))
         devices = _devices(device_map, len(specs))
         resolved = [_quantized(resolve_spec(s), quantization) for s in specs]
+        chosen = resolve_backends(backend, len(specs))
+        backends = resolve_backends([s.backend or b for s, b in zip(resolved, chosen)], len(specs))  # a spec's wins
         for spec, dev, where in zip(resolved, devices, backends):  # all of them before loading any member
             check_quantization(spec.quantization, spec.dtype or dtype, spec.device or dev)
-            if where == "local":  # a Ray member's device is checked on its own node
+            if where != "ray":  # a Ray member's device is checked on its own node
                 check_device(dev)
         remote = [i for i, where in enumerate(backends) if where == "ray"]
         pending = None
@@ -157,7 +162,11 @@ class Ensemble:
         try:
             members: list[Member | None] = [None] * len(specs)
             for i, (spec, dev, where) in enumerate(zip(resolved, devices, backends)):
-                if where == "local":
+                if where == "ray":
+                    continue
+                if local_runtime(spec, where, dev, dtype) == "llama.cpp":
+                    members[i] = load_llamacpp_member(spec, device=dev, dtype=dtype)
+                else:
                     members[i] = load_member(spec, device=dev, dtype=dtype, trust_remote_code=trust_remote_code)
             if pending is not None:
                 for i, member in zip(remote, pending.wait(trust_remote_code)):

@@ -29,6 +29,7 @@ LOAD_OPTIONS: dict[str, Any] = {
     "dtype": None,
     "trust_remote_code": False,
     "quantization": None,
+    "backend": "auto",
 }
 
 

@@ -140,6 +140,11 @@ def _gguf_path(spec: DemoModel) -> Path:
     return cache_root() / "demo" / spec.name / spec.gguf_name
 
 
+def gguf_path(name: str) -> Path:
+    """Where demo model `name`'s GGUF lives once fetched (it may not be there yet)."""
+    return _gguf_path(_spec(name))
+
+
 def _converted_path(sha256: str) -> Path:
     return cache_root() / "gguf" / sha256.lower()[:16]
 

@@ -36,7 +36,9 @@ class ModelSpec:
     (see `safe_engine.runtime.demo_models`). `chat_template` overrides the tokenizer's template, so base models
     or models with a broken template can still join a chat ensemble. `quantization="int8"` loads the member
     with int8 linear layers (`safe_engine.runtime.quantization`); a transformers quantization config object is
-    passed to `from_pretrained` as is.
+    passed to `from_pretrained` as is. `backend` chooses where the member runs: "torch", "llama.cpp" (a GGUF
+    source decoded by llama.cpp, see `safe_engine.runtime.llamacpp`), "ray", or None / "auto" for the
+    ensemble's choice (a GGUF source on the CPU runs in llama.cpp when llama-cpp-python is installed).
     """
 
     path: str
@@ -46,10 +48,13 @@ class ModelSpec:
     name: str | None = None
     chat_template: str | None = None
     quantization: Any = None
+    backend: str | None = None
 
 
 class Member:
     """One model of the ensemble: model + tokenizer + the byte view of its vocabulary."""
+
+    backend = "torch"  # where its forwards run: "torch" here, "llama.cpp" / "ray" for the other runtimes
 
     def __init__(self, model: Any, tokenizer: Any, name: str | None = None, chat_template: str | None = None):
         if not callable(getattr(model, "forward", None)) or not hasattr(model, "config"):
@@ -256,7 +261,7 @@ def _output_size(head: Any) -> int:
 
 def crop_cache(cache: Any, keep: int) -> None:
     """Drop cached positions beyond the first `keep` (transformers 5's DynamicCache takes a negative count)."""
-    if isinstance(cache, KVPool):
+    if hasattr(cache, "length"):  # a cache that counts its own positions: a KVPool, a LlamaSequence
         cache.crop(keep)
         return
     drop = cache.get_seq_length() - keep

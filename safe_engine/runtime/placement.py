@@ -243,6 +243,16 @@ def cpu_model() -> str:
     return ""
 
 
+def cpu_info() -> dict:
+    """The CPU as `lscpu` names it, and its flags (what decides which kernels and thread counts are fast)."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        flags = next(
+            (ln.split(":", 1)[1] for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), ""
+        )
+    return {"model_name": cpu_model(), "cores": available_cores(), "flags": flags.split()}
+
+
 def available_cores() -> int:
     """CPUs this process may run on (its affinity mask: a container's or taskset's limit counts)."""
     return len(_affinity())

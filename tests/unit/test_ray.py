@@ -330,4 +330,4 @@ def test_bad_backend_options_fail_before_any_actor_starts(specs):
         Ensemble.from_pretrained(specs, backend="ray", member_resources=[NO_CPU])
     with pytest.raises(ConfigError, match="member_timeout_s"):
         Ensemble.from_pretrained(specs, backend="ray", member_timeout_s=0)
-    assert resolve_backends(["local", "ray"], 2) == ["local", "ray"]
+    assert resolve_backends(["local", "ray", "llama.cpp", "torch"], 4) == ["auto", "ray", "llama.cpp", "torch"]

@@ -16,11 +16,12 @@ from .actor import MemberActor
 from .member import RayMember, _first_line, _ray
 
 DEFAULT_LOAD_TIMEOUT_S = 3600.0  # scheduling the actor + downloading and loading the weights
-BACKENDS = ("local", "ray")
+BACKENDS = ("auto", "torch", "llama.cpp", "ray", "local")  # "local": "auto" in this process (its old name)
 
 
 def resolve_backends(backend: str | Sequence[str], n: int) -> list[str]:
-    """One backend per member: "local" or "ray", for all members or as a list."""
+    """One backend per member, for all members or as a list: "auto" (llama.cpp for a GGUF source on the CPU
+    when llama-cpp-python is installed, else torch), "torch", "llama.cpp" or "ray"."""
     if isinstance(backend, str):
         backends = [backend] * n
     elif isinstance(backend, Sequence):
@@ -28,11 +29,13 @@ def resolve_backends(backend: str | Sequence[str], n: int) -> list[str]:
         if len(backends) != n:
             raise ConfigError(f"backend lists {len(backends)} entries for {n} members")
     else:
-        raise ConfigError(f"backend must be 'local', 'ray' or a list of them, got {backend!r}")
+        raise ConfigError(f"backend must be one of {BACKENDS[:4]} or a list of them, got {backend!r}")
     for b in backends:
         if b not in BACKENDS:
-            raise ConfigError(f"unknown backend {b!r}; use 'local' or 'ray' (or a list with one per member)")
-    return backends
+            raise ConfigError(
+                f"unknown backend {b!r}; use 'auto', 'torch', 'llama.cpp' or 'ray' (or a list with one per member)"
+            )
+    return ["auto" if b == "local" else b for b in backends]
 
 
 def _resources(member_resources: dict | Sequence[dict | None] | None, n: int) -> list[dict[str, Any]]:

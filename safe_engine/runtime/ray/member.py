@@ -131,6 +131,7 @@ class RayMember(Member):
     """
 
     is_remote = True
+    backend = "ray"
 
     def __init__(self, actor: Any, info: dict[str, Any], tokenizer: Any, timeout_s: float | None = None) -> None:
         if not callable(tokenizer) or not hasattr(tokenizer, "convert_ids_to_tokens"):
