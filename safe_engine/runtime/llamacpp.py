@@ -208,7 +208,8 @@ class LlamaCppMember(Member):
         self._model = ll.llama_model_load_from_file(str(path).encode(), model_params)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
-        self._finalize_model = weakref.finalize(self, ll.llama_model_free, self._model)
+        self._native: list[Any] = [None, None, self._model]  # batch, context, model: freed in this order
+        self._close = weakref.finalize(self, _free_native, ll, self._native)
         if ll.llama_model_is_recurrent(self._model) or ll.llama_model_is_hybrid(self._model):
             raise ModelLoadError(
                 f"{path.name} is a recurrent or hybrid model: its llama.cpp memory cannot be cut at a position, "
@@ -230,7 +231,7 @@ class LlamaCppMember(Member):
         self._ctx = ll.llama_init_from_model(self._model, params)
         if not self._ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {context} positions for {path.name}")
-        self._finalize_ctx = weakref.finalize(self, ll.llama_free, self._ctx)
+        self._native[1] = self._ctx
         self._memory = ll.llama_get_memory(self._ctx)
         self._threads = int(params.n_threads)
         self.sequences = sequences
@@ -360,11 +361,21 @@ class LlamaCppMember(Member):
     def _batch_for(self, size: int) -> Any:
         if size > self._batch_size:
             if self._batch is not None:
+                self._native[0] = None
                 self._ll.llama_batch_free(self._batch)
             self._batch_size = max(size, 64)
-            self._batch = self._ll.llama_batch_init(self._batch_size, 0, 1)
-            weakref.finalize(self, self._ll.llama_batch_free, self._batch)
+            self._batch = self._native[0] = self._ll.llama_batch_init(self._batch_size, 0, 1)
         return self._batch
+
+
+def _free_native(ll: Any, native: list[Any]) -> None:
+    """Free a member's batch, context and model, in that order (a context freed after its model crashes)."""
+    batch, ctx, model = native
+    if batch is not None:
+        ll.llama_batch_free(batch)
+    if ctx is not None:
+        ll.llama_free(ctx)
+    ll.llama_model_free(model)
 
 
 def _tokenizer_eos(tokenizer: Any) -> frozenset[int]:

@@ -1,0 +1,169 @@
+"""llama.cpp members on the real demo GGUF files: the engine's reading of llama.cpp equals llama-cpp-python's own,
+rollback is exact, a llama.cpp member works beside a torch member, and a tokenizer that does not spell the GGUF's
+tokens is refused. (What is *not* exact with quantized kernels, batch variance, is measured in
+benchmarks/llamacpp_variance.py and docs/llamacpp.md.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from safe_engine import ConfigError, Ensemble, MemberError, ModelLoadError, ModelSpec
+from safe_engine.runtime import demo_models, llamacpp
+from safe_engine.runtime.llamacpp import LlamaCppMember, load_llamacpp_member
+from safe_engine.runtime.members import Member, crop_cache, load_member
+from tests.conftest import tokenizer
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="the llamacpp extra is part of `make test`")
+
+pytestmark = pytest.mark.integration
+
+STORY = "Once upon a time, in a small village by the sea, there lived"
+CHAT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+
+
+@pytest.fixture(scope="module")
+def smol() -> LlamaCppMember:
+    return load_llamacpp_member(ModelSpec("smollm2-135m"))
+
+
+def own_greedy(member: LlamaCppMember, ids: list[int], n: int) -> str:
+    """llama-cpp-python's own greedy generation of the same file (its high-level `Llama`)."""
+    llm = llama_cpp.Llama(str(member.gguf), n_ctx=4096, n_threads=torch.get_num_threads(), verbose=False)
+    try:
+        out = llm.create_completion(ids, max_tokens=n, temperature=0.0, repeat_penalty=1.0)
+        return out["choices"][0]["text"]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["raw", "chat"])
+def test_single_equals_llama_cpp_pythons_own_greedy_text(smol, chat):
+    ens = Ensemble([smol])
+    options = {"max_new_tokens": 64, "method": "single"}
+    request = ens.request(messages=CHAT, **options) if chat else ens.request(STORY, **options)
+    result = ens.generate(request)
+    assert result.stats.tokens >= 32
+    assert result.text == own_greedy(smol, request.encode(smol), result.stats.tokens)
+
+
+def test_rollback_then_redecode_gives_the_same_logits(smol):
+    ids = smol.prompt_ids(STORY)
+    cache = smol.new_cache()
+    try:
+        smol.forward(ids[:8], cache)
+        first = smol.forward(ids[8:], cache, keep=len(ids) - 8)
+        crop_cache(cache, 8)
+        again = smol.forward(ids[8:], cache, keep=len(ids) - 8)
+        assert torch.equal(first, again)
+        crop_cache(cache, 10)  # a partial rollback, then one-token steps: each row as before the rollback
+        steps = [smol.forward([t], cache)[0] for t in ids[10:14]]
+        crop_cache(cache, 10)
+        assert torch.equal(torch.stack(steps), torch.stack([smol.forward([t], cache)[0] for t in ids[10:14]]))
+    finally:
+        smol.release(cache)
+
+
+def test_two_copies_ensemble_only_at_near_ties(smol):
+    """Two copies of one torch model never ensemble (their rows are equal). Here a verifier's 5-token pass and the
+    drafter's one-token steps differ in the last bits (quantized kernels are not batch-invariant), so what holds
+    instead: few points, each at a near-tie where the two copies' probabilities of the token agree within the
+    kernels' noise. (Whether the text stays the model's own is measured, not promised: docs/llamacpp.md.)"""
+    twin = Ensemble([smol, smol])
+    safe = twin.generate(messages=CHAT, max_new_tokens=96, trace=True)
+    assert safe.stats.ensembled_tokens <= 0.05 * safe.stats.tokens, safe.stats
+    for point in safe.trace:
+        assert point.drafter_prob <= 0.6 and abs(point.member_probs[0] - point.member_probs[1]) <= 0.1, point
+
+
+def test_a_llama_cpp_member_beside_a_torch_member(smol):
+    gemma = load_member("gemma3-270m")  # torch, float32
+    ens = Ensemble([smol, gemma])
+    assert [m.backend for m in ens.members] == ["llama.cpp", "torch"]
+    res = ens.generate(STORY, max_new_tokens=48)
+    words = res.text.split()
+    assert len(words) >= 15 and sum(w.isalpha() for w in words) / len(words) > 0.6, res.text  # fluent prose
+    assert 0 < res.stats.ensemble_rate < 1, res.stats
+    assert "".join(ens.stream(STORY, max_new_tokens=48)) == res.text
+
+
+def test_a_batch_shares_one_context_and_gives_every_sequence_back(smol):
+    ens = Ensemble([smol, smol], max_batch_size=4)
+    prompts = [STORY, "The capital of France is", [{"role": "user", "content": "Name three colours."}]]
+    results = ens.generate_batch(prompts, max_new_tokens=24)
+    assert all(r.stats.tokens > 0 and r.text for r in results)
+    assert ens.wait_idle(30)
+    assert len(smol._free) == smol.sequences  # every request's sequence went back
+
+
+def test_the_sequences_run_out_with_a_clear_error():
+    member = LlamaCppMember(demo_models.gguf_path("smollm2-135m"), _tokenizer("smollm2-135m"), sequences=1)
+    first, second = member.new_cache(), member.new_cache()  # caches take a sequence at their first pass
+    member.forward([1, 2], first)
+    with pytest.raises(MemberError, match="sequences are in use"):
+        member.forward([1, 2], second)
+    member.release(first)
+    member.forward([1, 2], second)  # the released sequence serves the next request
+    member.release(second)
+
+
+def test_a_tokenizer_that_does_not_spell_the_gguf_is_refused():
+    gguf = demo_models.gguf_path("smollm2-135m")
+    with pytest.raises(ModelLoadError, match=r"does not spell the GGUF's tokens: ids \d+ \(tokenizer b"):
+        LlamaCppMember(gguf, tokenizer("llama2"))  # 32,000 ids, spelled otherwise
+    with pytest.raises(ModelLoadError, match="its tokenizer has 151936 ids but .* only 49152"):
+        LlamaCppMember(gguf, _tokenizer("qwen2.5-coder-0.5b"))
+
+
+def test_backend_choice():
+    auto = Ensemble.from_pretrained(["smollm2-135m"])
+    assert isinstance(auto.members[0], LlamaCppMember)  # a GGUF source on the CPU: llama.cpp by default
+    torch_member = Ensemble.from_pretrained([ModelSpec("smollm2-135m", backend="torch")]).members[0]
+    assert type(torch_member) is Member and torch_member.model is not None
+    int8 = Ensemble.from_pretrained(["smollm2-135m"], quantization="int8").members[0]
+    assert int8.backend == "torch"  # asked for the engine's own quantization: torch
+    directory = str(demo_models.model_dir("smollm2-135m"))
+    with pytest.raises(ConfigError, match="runs GGUF files"):
+        Ensemble.from_pretrained([directory], backend="llama.cpp")
+    with pytest.raises(ConfigError, match="dtype= and quantization= apply to backend='torch' only"):
+        Ensemble.from_pretrained(["smollm2-135m"], backend="llama.cpp", dtype="bfloat16")
+    with pytest.raises(ConfigError, match="unknown backend 'vllm'"):
+        Ensemble.from_pretrained(["smollm2-135m"], backend="vllm")
+
+
+def test_a_build_that_crashes_on_this_cpu_is_a_load_error(tmp_path, monkeypatch):
+    """The smoke decode runs in a child process, so a native crash there becomes a ModelLoadError here, and the
+    verdict is cached per build and CPU."""
+    monkeypatch.setenv("SAFE_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setattr(llamacpp, "_SMOKE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    gguf = demo_models.gguf_path("smollm2-135m")
+    with pytest.raises(ModelLoadError, match="died with signal 11"):
+        llamacpp.smoke_check(gguf)
+    monkeypatch.setattr(llamacpp, "_SMOKE", "raise SystemExit('never run: the verdict is cached')")
+    with pytest.raises(ModelLoadError, match="signal 11"):
+        llamacpp.smoke_check(gguf)
+    assert len(list((tmp_path / "llamacpp-smoke").glob("*.json"))) == 1
+
+
+def test_the_cli_runs_llama_cpp_members():
+    out = subprocess.run(
+        [sys.executable, "-m", "safe_engine", "generate", "-m", "smollm2-135m", "--backend", "llama.cpp"]
+        + ["--method", "single", "--max-new-tokens", "8", STORY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert "smollm2-135m (llama.cpp)" in out.stderr
+    assert out.stdout.strip()
+
+
+def _tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_models.model_dir(name))
