@@ -248,7 +248,9 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
     def _peek(self) -> tuple[int | None, bool] | None:
         """(smallest context window, every member has a chat template) from config files, or None."""
         if not self._peek_done:
-            found = [peek_spec(spec, self.trust_remote_code) for spec in self.models or ()]
+            specs = self.models or []
+            backends = self.backend if isinstance(self.backend, list) else [self.backend] * len(specs)
+            found = [peek_spec(spec, self.trust_remote_code, b) for spec, b in zip(specs, backends)]
             known = [f for f in found if f is not None]
             if found and len(known) == len(found):  # every spec was peeked
                 windows = [w for w, _ in known if w]

@@ -23,6 +23,7 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="the llamacpp extra is part 
 pytestmark = pytest.mark.integration
 
 STORY = "Once upon a time, in a small village by the sea, there lived"
+CLI = [sys.executable, "-m", "safe_engine", "generate"]
 CHAT = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
 
 
@@ -115,7 +116,7 @@ def test_a_tokenizer_that_does_not_spell_the_gguf_is_refused():
     gguf = demo_models.gguf_path("smollm2-135m")
     with pytest.raises(ModelLoadError, match=r"does not spell the GGUF's tokens: ids \d+ \(tokenizer b"):
         LlamaCppMember(gguf, tokenizer("llama2"))  # 32,000 ids, spelled otherwise
-    with pytest.raises(ModelLoadError, match="its tokenizer has 151936 ids but .* only 49152"):
+    with pytest.raises(ModelLoadError, match=r"its tokenizer has 151936 ids but .* only 49152"):
         LlamaCppMember(gguf, _tokenizer("qwen2.5-coder-0.5b"))
 
 
@@ -151,8 +152,7 @@ def test_a_build_that_crashes_on_this_cpu_is_a_load_error(tmp_path, monkeypatch)
 
 def test_the_cli_runs_llama_cpp_members():
     out = subprocess.run(
-        [sys.executable, "-m", "safe_engine", "generate", "-m", "smollm2-135m", "--backend", "llama.cpp"]
-        + ["--method", "single", "--max-new-tokens", "8", STORY],
+        [*CLI, "-m", "smollm2-135m", "--backend", "llama.cpp", "--method", "single", "--max-new-tokens", "8", STORY],
         capture_output=True,
         text=True,
         timeout=300,

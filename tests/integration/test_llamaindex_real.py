@@ -28,7 +28,9 @@ def llm() -> SafeLLM:
 def test_metadata_before_loading(llm):
     meta = llm.metadata  # peeked from the converted models' configs
     assert not llm.is_loaded
-    assert meta.context_window == 8192  # SmolLM2's, the smaller of the two
+    # the members run in llama.cpp (the demo GGUFs, backend "auto"), whose context holds 4096 positions:
+    # less than SmolLM2's 8192, the smaller of the two trained windows
+    assert meta.context_window == 4096
     assert meta.is_chat_model is True
     assert meta.model_name == "safe:qwen2.5-coder-0.5b+smollm2-135m"
 
@@ -36,6 +38,7 @@ def test_metadata_before_loading(llm):
 def test_complete(llm):
     response = llm.complete("def add(a, b):\n")
     assert llm.is_loaded
+    assert llm.metadata.context_window == 4096  # the peeked window was the loaded one
     assert "return" in response.text and "a + b" in response.text.replace("b+a", "a + b")
     stats = response.additional_kwargs
     assert 0 < stats["tokens"] <= 12

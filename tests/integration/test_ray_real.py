@@ -33,7 +33,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def local() -> Ensemble:
-    return Ensemble.from_pretrained(MODELS)
+    return Ensemble.from_pretrained(MODELS, backend="torch")  # what the actors run
 
 
 @pytest.fixture(scope="module")
