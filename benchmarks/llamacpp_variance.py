@@ -91,17 +91,9 @@ class Diff:
         }
 
 
-def presize(member: LlamaCppMember) -> None:
-    """Allocate the member's llama_batch once, at its largest. Why: `_batch_for` frees a smaller batch when
-    it grows but leaves that batch's finalizer registered, so a second growth ends in a double free
-    ("double free or corruption") when the member is collected or the process exits."""
-    member._batch_for(member.context_window)
-
-
 def measure(member: LlamaCppMember, prompts: list[str], others: list[str], tokens_per_text: int) -> dict:
     """Comparisons 1-3 over the member's own greedy answers to `prompts` (see the module docstring)."""
     steps_vs_pass, alone_vs_batched, redecode = Diff(), Diff(), Diff()
-    presize(member)
     other_jobs = []
     for text in others:  # each re-decodes its prompt's last K tokens in every batched pass
         ids = prompt_ids(member, text)
@@ -163,8 +155,6 @@ def two_copies(name: str, prompts: list[str], max_new_tokens: int) -> dict:
     from llama_cpp import Llama
 
     ens = Ensemble.from_pretrained([name, name], backend="llama.cpp")
-    for member in ens.members:
-        presize(member)
     drafter = ens.members[0]
     threads = torch.get_num_threads()
     llm = Llama(
