@@ -45,6 +45,7 @@ _local = threading.local()
 CHUNK = 5  # tokens of the measured verification pass (the default draft_length)
 REPEATS = 3  # timed forwards per shape and count; the fastest is kept (a busy moment only slows one down)
 WARM = 2  # untimed one-token steps first at each count
+HOPELESS = 3  # a count whose first step takes this many times the best step so far is timed once, not REPEATS times
 OVERLAP_MARGIN = 0.05  # overlap is offered to the gauge when predicted within 5 % of rounds (it times both)
 
 
@@ -217,12 +218,17 @@ def time_forwards(member: Any, counts: Sequence[int]) -> Timing:
         use_threads(count, process)
         cache = member.new_cache()
         member.forward(prompt, cache)
-        for _ in range(WARM):  # a new count starts a new thread team; quantized kernels pack on first use
+        repeats = REPEATS
+        for warm in range(WARM):  # a new count starts a new thread team; quantized kernels pack on first use
+            start = perf_counter()
             member.forward(tail[:1], cache)
             crop_cache(cache, len(prompt))
+            if warm == 0 and step and perf_counter() - start > HOPELESS * min(step.values()):
+                repeats = 1  # far slower than a count already timed (threads that spin against a busy core)
+                break
         for shape, out in ((tail[:1], step), (tail, chunk)):
             times = []
-            for _ in range(REPEATS):
+            for _ in range(repeats):
                 start = perf_counter()
                 member.forward(shape, cache, keep=len(shape))
                 times.append(perf_counter() - start)

@@ -117,6 +117,33 @@ def test_an_ensemble_measures_its_members_and_runs_each_forward_at_the_faster_co
         torch.set_num_threads(before)
 
 
+def test_a_hopeless_thread_count_is_timed_once(fake_clock, monkeypatch):
+    """Threads that spin against a busy core (llama.cpp's, beside another process) can make a count 50x slower:
+    such a count is timed once per shape instead of warming up and repeating, so loading stays quick."""
+    fake_clock({1: 1 / 64, 2: 1 / 2})
+    member = tiny_member("qwen2.5-7b-instruct", 1)
+    calls = {1: 0, 2: 0}
+    original = member.forward
+
+    def counted(*args, **kwargs):
+        calls[torch.get_num_threads()] += 1
+        return original(*args, **kwargs)
+
+    member.forward = counted
+    before = torch.get_num_threads()
+    placement_module.engine_thread()  # this test's thread may set its count, as the engine's measuring thread
+    try:
+        timing = placement_module.time_forwards(member, [1, 2])
+    finally:
+        placement_module._local.engine = False
+        torch.set_num_threads(before)
+    assert calls == {
+        1: 1 + placement_module.WARM + 2 * placement_module.REPEATS,  # prompt, warm steps, both shapes repeated
+        2: 1 + 1 + 2,  # prompt, one warm step found hopeless, each shape once
+    }
+    assert timing.step == {1: 1 / 64, 2: 1 / 2} and timing.chunk == {1: 1 / 64, 2: 1 / 2}
+
+
 def test_the_engine_splits_the_cores_by_the_weights_each_side_reads(machine):
     machine(2)
     assert plan_placement([400, 100], drafter=0) == Placement(2, 1, 1, 2, 2, "engine")
