@@ -210,6 +210,7 @@ class LlamaCppMember(Member):
             raise ModelLoadError(f"llama.cpp could not load {path}")
         self._native: list[Any] = [None, None, self._model]  # batch, context, model: freed in this order
         self._close = weakref.finalize(self, _free_native, ll, self._native)
+        self._close.atexit = False  # at exit the OS frees it: a decode still running elsewhere must not crash
         if ll.llama_model_is_recurrent(self._model) or ll.llama_model_is_hybrid(self._model):
             raise ModelLoadError(
                 f"{path.name} is a recurrent or hybrid model: its llama.cpp memory cannot be cut at a position, "
@@ -291,6 +292,7 @@ class LlamaCppMember(Member):
                     )
                 cache.seq = self._free.pop(0)
             cache.finalizer = weakref.finalize(cache, self._free_sequence, cache.seq)
+            cache.finalizer.atexit = False
         return cache.seq
 
     def _free_sequence(self, seq: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,7 +85,14 @@ class Served:
 
 @pytest.fixture(scope="package")
 def served(model_dirs: list[str]) -> Iterator[Served]:
-    ens = Ensemble.from_pretrained(model_dirs)
+    with serving(Ensemble.from_pretrained(model_dirs)) as s:
+        yield s
+
+
+@contextmanager
+def serving(ens: Ensemble) -> Iterator[Served]:
+    """A real server over `ens` (the `served` fixture's: MODEL, KEY, DEFAULT_TOKENS, batches of 8), stopped
+    on exit."""
     app = create_app(
         ens,
         model_name=MODEL,
