@@ -45,11 +45,10 @@ from . import demo_models
 from .members import Job, Member, ModelSpec, spec_name
 from .placement import cpu_info, cpu_model
 
-VERSION = "0.3.36"  # llama-cpp-python: the bindings follow llama.h's breaking changes, so the extra pins it
 DEFAULT_CONTEXT = 4096  # positions shared by a member's sequences (kv_unified)
 PIECE_BUFFER = 256  # bytes for one token's piece (the high-level wrappers use 32 and cut longer ones)
 INSTALL = (
-    "pip install 'langchain-safe[llamacpp]' (builds llama.cpp from source, about 5 minutes on 2 cores; "
+    "pip install 'langchain-safe[llamacpp]' (builds llama.cpp from source, about 9 minutes on 2 cores; "
     "see docs/llamacpp.md for the build flags)"
 )
 
@@ -76,13 +75,12 @@ def available() -> bool:
 
 
 def _init_backend() -> None:
-    """Once per process: the smoke check, llama.cpp's log silenced (it prints every load), the backend."""
+    """Once per process: llama.cpp's log silenced (it prints every load), then its backend."""
     global _silent
     with _init_lock:
         if _silent is not None:
             return
         ll = llama()
-        smoke_check()
         _silent = ll.llama_log_callback(lambda level, text, user_data: None)  # kept: llama.cpp calls it later
         ll.llama_log_set(_silent, None)
         ll.llama_backend_init()
@@ -119,8 +117,8 @@ def _build_key() -> str:
     return hashlib.sha256("\n".join([*ident, cpu["model_name"], *cpu["flags"]]).encode()).hexdigest()[:16]
 
 
-def smoke_check(gguf: Path | None = None) -> None:
-    """Decode a few tokens in a child process once per llama.cpp build and CPU (the verdict is cached): a
+def smoke_check(gguf: Path) -> None:
+    """Decode a few tokens of `gguf` in a child process once per llama.cpp build and CPU (the verdict is cached): a
     build that crashes on this CPU (a `-march=native` build on a Xeon whose CPUID reports AMX segfaulted in
     `llama_decode`) becomes a ModelLoadError here, never a process that dies at its first request."""
     path = demo_models.cache_root() / "llamacpp-smoke" / f"{_build_key()}.json"
@@ -129,11 +127,8 @@ def smoke_check(gguf: Path | None = None) -> None:
     except (OSError, ValueError):
         verdict = None
     if verdict is None:
-        model = gguf or _smoke_model()
-        if model is None:
-            return  # nothing to decode yet: the member being loaded is checked instead (see LlamaCppMember)
         run = subprocess.run(
-            [sys.executable, "-c", _SMOKE, str(model)], capture_output=True, text=True, timeout=300, check=False
+            [sys.executable, "-c", _SMOKE, str(gguf)], capture_output=True, text=True, timeout=300, check=False
         )
         verdict = {
             "ok": run.returncode == 0 and run.stdout.strip() == "ok",
@@ -150,15 +145,6 @@ def smoke_check(gguf: Path | None = None) -> None:
             f"died with {how} ({verdict['stderr'].strip().splitlines()[-1:] or ''}); rebuild llama-cpp-python "
             "with the portable flags of docs/llamacpp.md, or use backend='torch'"
         )
-
-
-def _smoke_model() -> Path | None:
-    """A GGUF already on disk to smoke-decode (the smallest demo model's)."""
-    for name in ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"):
-        path = demo_models.gguf_path(name)
-        if path.is_file():
-            return path
-    return None
 
 
 # -- a request's cache ------------------------------------------------------------------------------
@@ -238,7 +224,9 @@ class LlamaCppMember(Member):
         self.sequences = sequences
         self._free = list(range(sequences))
         self._free_lock = threading.Lock()
-        self._forward_lock = threading.Lock()  # a context is never used by two threads at once
+        # a context is never used by two threads at once; reentrant: a dropped request's finalizer may give its
+        # sequence back (under this lock) while this thread is inside a pass
+        self._forward_lock = threading.RLock()
         self._batch_size = 0
         self._batch: Any = None
         eos = {int(ll.llama_vocab_eos(self._vocab)), int(ll.llama_vocab_eot(self._vocab))} - {-1}
