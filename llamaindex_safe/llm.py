@@ -59,6 +59,7 @@ from safe_engine import Ensemble, GenerationResult, ModelSpec, Request, StreamEv
 from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, ToolCallError, from_validation_error
 from safe_engine.knobs import KNOB_NAMES, UNSET_SAMPLING, adapted
+from safe_engine.runtime.llamacpp import peek_window
 from safe_engine.runtime.members import peek_spec
 from safe_engine.shaping.request import overridden
 from safe_engine.stats import TokenLogprob
@@ -250,7 +251,8 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
         if not self._peek_done:
             specs = self.models or []
             backends = self.backend if isinstance(self.backend, list) else [self.backend] * len(specs)
-            found = [peek_spec(spec, self.trust_remote_code, b) for spec, b in zip(specs, backends)]
+            found = [peek_spec(spec, self.trust_remote_code) for spec in specs]
+            found = [f and (peek_window(spec, b, f[0]), f[1]) for spec, b, f in zip(specs, backends, found)]
             known = [f for f in found if f is not None]
             if found and len(known) == len(found):  # every spec was peeked
                 windows = [w for w, _ in known if w]

@@ -42,7 +42,7 @@ import torch
 
 from ..errors import ConfigError, MemberError, ModelLoadError
 from . import demo_models
-from .members import Job, Member, ModelSpec, spec_name
+from .members import Job, Member, ModelSpec, resolve_spec, spec_name
 from .placement import cpu_info, cpu_model
 
 DEFAULT_CONTEXT = 4096  # positions shared by a member's sequences (kv_unified)
@@ -426,6 +426,15 @@ def gguf_source(spec: ModelSpec) -> Path | None:
     if spec.gguf_file is not None:
         path = path / spec.gguf_file
     return path if path.suffix == ".gguf" else None
+
+
+def peek_window(spec: str | ModelSpec, backend: str, window: int | None) -> int | None:
+    """A peeked context window as the member will have it: a member that runs in llama.cpp holds
+    `DEFAULT_CONTEXT` positions at most (its context, shared by its requests)."""
+    spec = resolve_spec(spec)
+    if window and backend != "ray" and local_runtime(spec, backend, None, None) == "llama.cpp":
+        return min(window, DEFAULT_CONTEXT)
+    return window
 
 
 def load_llamacpp_member(spec: ModelSpec, device: str | None = None, dtype: Any = None) -> LlamaCppMember:

@@ -316,9 +316,7 @@ def unique_names(names: list[str]) -> list[str]:
     return unique
 
 
-def peek_spec(
-    spec: str | ModelSpec, trust_remote_code: bool = False, backend: str = "auto"
-) -> tuple[int | None, bool] | None:
+def peek_spec(spec: str | ModelSpec, trust_remote_code: bool = False) -> tuple[int | None, bool] | None:
     """(context window, has a chat template) of a spec read from its config files, without loading weights.
 
     Why: adapters report metadata (LlamaIndex's context window) before the lazy load. None when finding
@@ -335,12 +333,7 @@ def peek_spec(
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except Exception:
         return None
-    window = _context_window(config)
-    from .llamacpp import DEFAULT_CONTEXT, local_runtime  # (it builds on this module)
-
-    if backend != "ray" and local_runtime(spec, backend, None, None) == "llama.cpp" and window:
-        window = min(window, DEFAULT_CONTEXT)  # the positions its llama.cpp context holds
-    return window, bool(spec.chat_template) or _has_chat_template(directory)
+    return _context_window(config), bool(spec.chat_template) or _has_chat_template(directory)
 
 
 def _existing_dir(spec: ModelSpec) -> Path | None:
