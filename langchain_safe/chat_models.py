@@ -110,11 +110,14 @@ class ChatSafe(SafeParams, BaseChatModel):
         - `method="function_calling"`: the schema is bound as a tool the reply must call;
         - `method="json_mode"`: the reply is a JSON object (any keys: describe the format in your prompt).
 
-        A reply cut by `max_tokens` can still fail to parse: the parser then raises (or, with
-        `include_raw=True`, gives `parsed=None` and the `parsing_error`). `strict` is accepted for
-        compatibility: the output always follows the schema.
+        The schema is strict unless `strict=False`: an object that does not say `additionalProperties` takes
+        only the keys it names (OpenAI's strict mode); `strict=False` keeps JSON Schema's meaning (extra keys
+        allowed). Either way the output follows the schema. A reply cut by `max_tokens` can still fail to
+        parse: the parser then raises (or, with `include_raw=True`, gives `parsed=None` and the
+        `parsing_error`).
         """
-        del strict
+        if strict not in (None, True, False):
+            raise ConfigError(f"strict must be True, False or None, got {strict!r}")
         if method == "function_calling":
             return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
         if method not in ("json_schema", "json_mode"):
@@ -124,9 +127,14 @@ class ChatSafe(SafeParams, BaseChatModel):
         pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
         # (a pydantic model class, v1 or v2, when `pydantic`: checked just above)
         parser = PydanticOutputParser(pydantic_object=cast("TypeBaseModel", schema)) if pydantic else JsonOutputParser()
-        json_schema = {"type": "object"} if method == "json_mode" else convert_to_json_schema(schema)
+        if method == "json_mode":
+            response_format: dict[str, Any] = {"type": "json_object"}
+        else:
+            spec = {"name": "output", "schema": convert_to_json_schema(schema), "strict": strict is not False}
+            response_format = {"type": "json_schema", "json_schema": spec}
         llm = self.bind(
-            json_schema=json_schema, ls_structured_output_format={"kwargs": {"method": method}, "schema": schema}
+            response_format=response_format,
+            ls_structured_output_format={"kwargs": {"method": method}, "schema": schema},
         )
         if not include_raw:
             return llm | parser

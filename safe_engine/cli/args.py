@@ -51,7 +51,12 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
 
 def add_request_args(p: argparse.ArgumentParser) -> None:
     """The reply's shape, as `build_request` takes it (with --chat)."""
-    p.add_argument("--json-schema", metavar="SCHEMA", help="constrain the reply to this JSON schema (a file or JSON)")
+    p.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="constrain the reply to this JSON schema (a file or JSON), strictly: an object takes only the keys "
+        "it names unless it says additionalProperties",
+    )
     p.add_argument("--json-object", action="store_true", help="JSON mode: the reply is one JSON object")
     p.add_argument("--tools", metavar="FILE", help="a JSON file with a list of OpenAI-style tool schemas")
     p.add_argument("--tool-choice", help="auto | none | required | a tool name (with --tools)")

@@ -29,7 +29,7 @@ _REFUSED = {
     "max_tool_calls": "a bound on tool calls is not implemented; use parallel_tool_calls=false for one call",
     "context_management": "context management needs storage",
     "moderation": "moderation is not available",
-    "top_logprobs": "the ensemble has no single distribution per token to report",
+    "top_logprobs": "logprobs are served on /v1/chat/completions (logprobs, top_logprobs), not yet here",
     "prompt_cache_options": "prompt caching options are not implemented",
     "prompt_cache_retention": "prompt caching options are not implemented",
 }

@@ -75,6 +75,7 @@ import torch
 
 from ..errors import ConfigError, InputError, SafeEngineError
 from ..runtime.vocab import Vocab
+from .schemas import call_schema, schema_dict, tool_parameters
 from .tools import normalize_tool_choice, tool_names
 
 if TYPE_CHECKING:
@@ -163,9 +164,9 @@ class Grammar:
         if choice == "none":
             return None
         if choice in ("auto", "required"):
-            bodies = [_call_schema(name, _parameters(tool)) for name, tool in zip(names, tools)]
+            bodies = [call_schema(name, tool_parameters(tool)) for name, tool in zip(names, tools)]
         else:
-            bodies = [_call_schema(choice, _parameters(tools[names.index(choice)]))]
+            bodies = [call_schema(choice, tool_parameters(tools[names.index(choice)]))]
         body = {**({"anyOf": bodies} if len(bodies) > 1 else bodies[0]), "x-guidance": JSON_OPTIONS}
         start = {"auto": "TEXT | head calls", "required": "OPEN calls"}.get(choice, "OPEN call SEP?")
         lark = "\n".join(
@@ -217,43 +218,6 @@ class Grammar:
         for message in messages:
             log.warning("%s constraint: %s", kind, message)
         return cls(source, kind, tuple(messages))
-
-
-def schema_dict(schema: Any) -> dict[str, Any]:
-    if hasattr(schema, "model_json_schema"):  # a pydantic model class
-        schema = schema.model_json_schema()
-    if isinstance(schema, str | bytes):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"json_schema is not valid JSON: {err}") from None
-    if isinstance(schema, bool):
-        schema = {} if schema else {"not": {}}
-    if not isinstance(schema, Mapping):
-        raise ConfigError(f"json_schema must be a JSON schema (a dict), got {type(schema).__name__}")
-    return dict(schema)
-
-
-def _parameters(tool: Mapping[str, Any]) -> dict[str, Any]:
-    """A tool's arguments schema as the grammar enforces it: an object of its declared parameters only
-    (`additionalProperties: false` unless the schema says otherwise, as OpenAI's strict function calling
-    does). Why: a function takes the parameters it declares; JSON schema's default would let a model pass
-    anything, and small models do (a tool without parameters got its own schema, {"type": "object",
-    "properties": {}}, as arguments)."""
-    function = tool.get("function", tool)
-    parameters = schema_dict(function.get("parameters") or {"type": "object"})
-    if parameters.get("type") == "object" and "additionalProperties" not in parameters:
-        parameters["additionalProperties"] = False
-    return parameters
-
-
-def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    }
 
 
 # -- per-vocabulary compilation, cached ------------------------------------------------------------------

@@ -29,7 +29,8 @@ from ..config import MAX_TOP_LOGPROBS, GenerationConfig
 from ..errors import ConfigError, InputError, InputTypeError, SafeEngineError
 from ..runtime.members import Member
 from .chat import chat_prompt_ids, check_text, validate_messages
-from .constrained import Grammar, schema_dict
+from .constrained import Grammar
+from .schemas import schema_dict, strict
 from .tools import normalize_tool_choice, tool_names, with_tool_choice
 
 #: Other names of GenerationConfig fields, as the frameworks and OpenAI spell them.
@@ -104,7 +105,9 @@ def build_request(
     a tool name or OpenAI's {"type": "function", "function": {"name": ...}} (exactly that call);
     `parallel_tool_calls=False`: one call at most. `json_schema` (a dict, JSON text or a pydantic class)
     or `response_format` (OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}} or
-    {"type": "json_object"}) constrain the reply to JSON; `grammar` to any llguidance grammar
+    {"type": "json_object"}) constrain the reply to JSON, strictly: an object that does not say
+    `additionalProperties` takes only the keys it names (response_format's `"strict": false` keeps JSON
+    Schema's meaning); `grammar` to any llguidance grammar
     (`Grammar.lark(...)`, for research; not with tools or JSON). `options` are GenerationConfig fields or their
     aliases (module docstring), overriding `config`.
     """
@@ -255,7 +258,10 @@ def _logprobs(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _response_format(json_schema: Any, response_format: Any) -> tuple[str, dict[str, Any] | None]:
-    """("text" | "json_object" | "json_schema", the schema) from `json_schema=` or `response_format=`."""
+    """("text" | "json_object" | "json_schema", the schema) from `json_schema=` or `response_format=`.
+
+    The schema is strict (`safe_engine.shaping.schemas.strict`): an object that does not say
+    `additionalProperties` takes no other keys, unless response_format says `"strict": false`."""
     if response_format is None or response_format == "text":
         kind, schema = "text", None
     elif response_format == "json_object":
@@ -274,6 +280,10 @@ def _response_format(json_schema: Any, response_format: Any) -> tuple[str, dict[
                     '"schema": {...}}}'
                 )
             schema = schema_dict(spec["schema"])
+            if spec.get("strict") not in (None, True, False):
+                raise ConfigError(f"response_format json_schema strict must be true or false, got {spec['strict']!r}")
+            if spec.get("strict") is not False:  # strict by default; false keeps JSON Schema's own meaning
+                schema = strict(schema)
     else:
         raise ConfigError(
             f"response_format must be 'text', 'json_object' or OpenAI's dict form, got {response_format!r:.80}"
@@ -281,7 +291,7 @@ def _response_format(json_schema: Any, response_format: Any) -> tuple[str, dict[
     if json_schema is not None:
         if kind != "text":
             raise ConfigError("pass json_schema or response_format, not both")
-        kind, schema = "json_schema", schema_dict(json_schema)
+        kind, schema = "json_schema", strict(schema_dict(json_schema))
     return kind, schema
 
 

@@ -282,6 +282,19 @@ def test_parse_with_a_pydantic_model_returns_a_parsed_object(client, served):
         assert res.choices[0].message.content == expected.content
 
 
+def test_response_format_is_strict_unless_it_says_strict_false(client, served, monkeypatch):
+    """Chat Completions and Responses: a json_schema without `additionalProperties` takes only its keys
+    (OpenAI's strict mode), also when `strict` is left out; `"strict": false` keeps JSON Schema's meaning."""
+    schema = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 6}}, "required": ["label"]}
+    for flag, extra_keys in [(None, False), (True, False), (False, True)]:
+        spec = {"name": "score", "schema": schema} | ({} if flag is None else {"strict": flag})
+        calls = script(monkeypatch, served.ens, pieces('{"label": "ok"}'))
+        fmt = {"type": "json_schema", "json_schema": spec}
+        client.chat.completions.create(model=MODEL, messages=CHAT, response_format=fmt, max_tokens=16)
+        client.responses.create(model=MODEL, input="Score it.", text={"format": {"type": "json_schema", **spec}})
+        assert [call.json_schema.get("additionalProperties", True) for call in calls] == [extra_keys] * 2, flag
+
+
 def test_json_mode_streams_a_json_object(client, served):
     chunks = list(
         client.chat.completions.create(

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 from safe_engine.errors import ConfigError
 from safe_engine.runtime.vocab import Vocab
@@ -24,6 +25,8 @@ from safe_engine.shaping.constrained import (
     bias_of_bitmask,
     mask_distribution,
 )
+from safe_engine.shaping.request import build_request
+from safe_engine.shaping.schemas import strict
 from safe_engine.shaping.tools import parse_tool_calls
 from tests.conftest import tiny_member, tokenizer
 
@@ -507,3 +510,59 @@ def test_a_real_member_is_a_drafter_vocabulary():
     assert member.token_bytes[tid].startswith(b"{")
     c.consume([tid])
     assert c.ids == [tid]
+
+
+# -- strict structured output ----------------------------------------------------------------------------
+def test_strict_closes_every_object_that_does_not_say_otherwise():
+    point = {"properties": {"x": {"type": "integer"}}}  # an object by its properties, no "type"
+    schema = {
+        "type": "object",
+        "properties": {
+            "address": {"type": "object", "properties": {"zip": {"type": "string"}}},
+            "rows": {"type": "array", "items": {"type": ["object", "null"], "properties": {"n": {"type": "integer"}}}},
+            "either": {"anyOf": [{"$ref": "#/$defs/Point"}, {"type": "null"}]},
+            "open": {"type": "object", "additionalProperties": True},
+            "typed": {"type": "object", "additionalProperties": {"type": "object"}},
+            "label": {"type": "string"},
+        },
+        "$defs": {"Point": point},
+        "not": {"type": "object", "properties": {"forbidden": {}}, "required": ["forbidden"]},
+        "allOf": [{"type": "object", "properties": {"extra": {"type": "integer"}}}],
+    }
+    closed = strict(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["address"]["additionalProperties"] is False
+    assert props["rows"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["Point"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True  # said by the schema: kept
+    assert props["typed"]["additionalProperties"] == {"type": "object", "additionalProperties": False}
+    assert "additionalProperties" not in props["label"]
+    # `not` and `allOf` describe the same object: closing them would change what matches
+    assert closed["not"] == schema["not"] and closed["allOf"] == schema["allOf"]
+    assert "additionalProperties" not in schema and "additionalProperties" not in point  # a copy
+
+
+@pytest.mark.parametrize("name", [QWEN])
+def test_structured_output_refuses_keys_the_schema_does_not_name_unless_strict_is_false(name):
+    class City(BaseModel):
+        name: str = Field(max_length=12)
+
+    user = [{"role": "user", "content": "A city?"}]
+    spec = {"name": "city", "schema": City.model_json_schema()}
+    cases = [
+        ({"json_schema": City}, False),
+        ({"json_schema": City.model_json_schema()}, False),
+        ({"response_format": {"type": "json_schema", "json_schema": spec}}, False),
+        ({"response_format": {"type": "json_schema", "json_schema": {**spec, "strict": True}}}, False),
+        ({"response_format": {"type": "json_schema", "json_schema": {**spec, "strict": False}}}, True),
+    ]
+    for kwargs, extra_keys in cases:
+        request = build_request(messages=user, **kwargs)
+        assert request.json_schema is not None
+        assert request.json_schema.get("additionalProperties", True) is extra_keys, kwargs
+        constraint = Constraint(request.grammar, drafter(name))
+        assert constraint.allows_text(b'{"name": "Oslo"}'), kwargs
+        assert constraint.allows_text(b'{"name": "Oslo", "country"') is extra_keys, kwargs
+    with pytest.raises(ConfigError, match="strict must be true or false"):
+        build_request(messages=user, response_format={"type": "json_schema", "json_schema": {**spec, "strict": "yes"}})

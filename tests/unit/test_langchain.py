@@ -26,6 +26,7 @@ from langchain_safe._messages import to_engine_messages
 from safe_engine import Ensemble, GenerationTimeout, SafeEngineError
 from safe_engine.errors import ConfigError, InputError
 from safe_engine.shaping.chat import chat_prompt_ids
+from safe_engine.shaping.schemas import strict
 from safe_engine.shaping.tools import new_tool_call_id
 from tests.conftest import tiny_member, tokenizer
 from tests.scripted import ScriptedStream, script
@@ -580,12 +581,19 @@ def test_with_structured_output_methods(chat, ens, monkeypatch):
     calls = script(monkeypatch, ens, ['{"value": 6}'])
     # json_schema (the default): the engine decodes under the schema; no tools are bound
     assert chat.with_structured_output(Product).invoke("2*3?") == Product(value=6)
-    assert calls[-1].json_schema == convert_to_json_schema(Product) and calls[-1].tools is None
+    assert calls[-1].json_schema == strict(convert_to_json_schema(Product)) and calls[-1].tools is None
+    assert calls[-1].json_schema["additionalProperties"] is False  # strict: no keys the class does not name
     assert chat.with_structured_output(Product, method="json_schema").invoke("2*3?") == Product(value=6)
+    assert chat.with_structured_output(Product, strict=True).invoke("2*3?") == Product(value=6)
+    assert calls[-1].json_schema["additionalProperties"] is False
+    assert chat.with_structured_output(Product, strict=False).invoke("2*3?") == Product(value=6)
+    assert calls[-1].json_schema == convert_to_json_schema(Product)  # JSON Schema's meaning: other keys allowed
+    with pytest.raises(ConfigError, match="strict must be True, False or None"):
+        chat.with_structured_output(Product, strict="yes")
     # json_mode: any JSON object (the parser also takes a code fence, e.g. from a scripted reply)
     calls = script(monkeypatch, ens, ['Here it is:\n```json\n{"value": 6}\n```'])
     assert chat.with_structured_output(Product, method="json_mode").invoke("2*3? Reply in JSON.") == Product(value=6)
-    assert calls[-1].json_schema == {"type": "object"}
+    assert calls[-1].response_format == "json_object" and calls[-1].json_schema is None
     assert chat.with_structured_output(Product.model_json_schema(), method="json_mode").invoke("?") == {"value": 6}
     raw = chat.with_structured_output(Product, method="json_mode", include_raw=True).invoke("?")
     assert raw["parsed"] == Product(value=6) and raw["parsing_error"] is None and isinstance(raw["raw"], AIMessage)

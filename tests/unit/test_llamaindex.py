@@ -48,6 +48,7 @@ from safe_engine import (
     ModelLoadError,
     ToolCallError,
 )
+from safe_engine.shaping.schemas import strict
 from safe_engine.shaping.tools import TOOL_CALL_OPEN
 from tests.conftest import tiny_member, tokenizer
 from tests.scripted import script
@@ -664,7 +665,8 @@ def test_predict_and_call_and_structured_predict(llm, ens, monkeypatch):
     calls = script(monkeypatch, ens, ['{"value": 6}'])
     prompt = PromptTemplate("What is {a} times {b}?")
     assert llm.structured_predict(Product, prompt, a=2, b=3) == Product(value=6)
-    assert calls[-1].json_schema == Product.model_json_schema() and calls[-1].tools is None
+    assert calls[-1].json_schema == strict(Product.model_json_schema()) and calls[-1].tools is None
+    assert calls[-1].json_schema["additionalProperties"] is False  # strict: no keys the class does not name
     assert asyncio.run(llm.astructured_predict(Product, prompt, a=2, b=3)) == Product(value=6)
     script(monkeypatch, ens, ['<tool_call>{"name": "Product", "arguments": {"value": 6}}</tool_call>'])
     assert list(llm.stream_structured_predict(Product, prompt, a=2, b=3))[-1] == Product(value=6)
