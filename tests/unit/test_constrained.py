@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import re
@@ -14,6 +15,7 @@ import pytest
 import torch
 from pydantic import BaseModel, Field
 
+from safe_engine.cli.args import add_request_args, request_options
 from safe_engine.errors import ConfigError
 from safe_engine.runtime.vocab import Vocab
 from safe_engine.shaping.constrained import (
@@ -513,6 +515,12 @@ def test_a_real_member_is_a_drafter_vocabulary():
 
 
 # -- strict structured output ----------------------------------------------------------------------------
+def cli_options(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser()
+    add_request_args(parser)
+    return request_options(parser.parse_args(argv))
+
+
 def test_strict_closes_every_object_that_does_not_say_otherwise():
     point = {"properties": {"x": {"type": "integer"}}}  # an object by its properties, no "type"
     schema = {
@@ -556,6 +564,7 @@ def test_structured_output_refuses_keys_the_schema_does_not_name_unless_strict_i
         ({"response_format": {"type": "json_schema", "json_schema": spec}}, False),
         ({"response_format": {"type": "json_schema", "json_schema": {**spec, "strict": True}}}, False),
         ({"response_format": {"type": "json_schema", "json_schema": {**spec, "strict": False}}}, True),
+        (cli_options(["--json-schema", json.dumps(City.model_json_schema())]), False),  # the CLI's door
     ]
     for kwargs, extra_keys in cases:
         request = build_request(messages=user, **kwargs)
