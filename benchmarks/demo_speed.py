@@ -28,17 +28,13 @@ PROMPT = "Explain in two sentences why the sky is blue."
 MAX_NEW_TOKENS = 96
 
 HF_ALONE = """
-import json, sys, time, torch
+import json, sys, torch
+from safe_engine.runtime.baseline import hf_generate
 from safe_engine.runtime.members import load_member
+from safe_engine.shaping.chat import chat_prompt_ids
 member = load_member(sys.argv[1])
-text = member.tokenizer.apply_chat_template([{"role": "user", "content": sys.argv[2]}], tokenize=False,
-                                            add_generation_prompt=True)
-enc = member.tokenizer(text, return_tensors="pt", add_special_tokens=False)
 n = int(sys.argv[3])
-with torch.inference_mode():
-    start = time.perf_counter()
-    member.model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    wall = time.perf_counter() - start
+wall = hf_generate(member, [chat_prompt_ids(member, [{"role": "user", "content": sys.argv[2]}])], n, forced=True).wall_s
 print(json.dumps({"tokens": n, "wall_s": wall, "tokens_per_s": n / wall, "torch_threads": torch.get_num_threads()}))
 """
 

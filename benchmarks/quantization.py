@@ -42,18 +42,16 @@ def child(quantization: str | None, tokens: int, threads: int | None) -> dict[st
     if threads:
         torch.set_num_threads(threads)
     from safe_engine import Ensemble
+    from safe_engine.runtime.baseline import hf_generate
+    from safe_engine.shaping.chat import chat_prompt_ids
 
     before = _rss_mib()
-    ens = Ensemble.from_pretrained(MODELS, quantization=quantization)
+    ens = Ensemble.from_pretrained(MODELS, quantization=quantization, backend="torch")  # torch float32 vs int8
     loaded = _rss_mib()
     drafter = ens.members[0]
-    ids = drafter.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt")
-    ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
-    with torch.inference_mode():
-        drafter.model.generate(ids, max_new_tokens=4, do_sample=False)  # warm-up
-        start = time.perf_counter()
-        out = drafter.model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
-        hf_s = time.perf_counter() - start
+    prompt = [chat_prompt_ids(drafter, MESSAGES)]
+    hf_generate(drafter, prompt, 4)  # warm-up
+    hf = hf_generate(drafter, prompt, tokens, forced=True)
     ens.generate(messages=MESSAGES, max_new_tokens=4)  # warm-up
     res = ens.generate(messages=MESSAGES, max_new_tokens=tokens)
     return {
@@ -61,8 +59,8 @@ def child(quantization: str | None, tokens: int, threads: int | None) -> dict[st
         "torch_threads": torch.get_num_threads(),
         "rss_before_load_mib": round(before, 1),
         "rss_loaded_mib": round(loaded, 1),  # float32 weights are memory-mapped: read (resident) on first use
-        "drafter_alone_tokens_per_s": round(tokens / hf_s, 3),
-        "drafter_alone_text": drafter.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True),
+        "drafter_alone_tokens_per_s": round(tokens / hf.wall_s, 3),
+        "drafter_alone_text": drafter.tokenizer.decode(hf.rows[0].ids, skip_special_tokens=True),
         "safe_tokens": res.stats.tokens,
         "safe_tokens_per_s": round(res.stats.tokens_per_s, 3),
         "safe_ensemble_rate": round(res.stats.ensemble_rate, 3),

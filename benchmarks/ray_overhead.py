@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.init(address=args.ray_address, log_to_driver=False)
         resources = {"num_cpus": args.threads}
         t0 = time.perf_counter()
-        local = Ensemble.from_pretrained(specs)
+        local = Ensemble.from_pretrained(specs, backend="torch")  # Ray members run torch: like for like
         t1 = time.perf_counter()
         remote = Ensemble.from_pretrained(specs, backend="ray", member_resources=resources)
         t2 = time.perf_counter()

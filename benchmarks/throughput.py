@@ -60,6 +60,7 @@ from safe_engine.bench import PeakRSS
 from safe_engine.config import GenerationConfig
 from safe_engine.eval import load_task
 from safe_engine.eval.prompts import chat_messages
+from safe_engine.runtime.baseline import hf_generate
 from safe_engine.runtime.members import Member, load_member
 from safe_engine.shaping.chat import chat_prompt_ids
 
@@ -185,40 +186,22 @@ def make_row(prompts: int, config: str, batch_size: int, wall: float, requests: 
     )
 
 
-@torch.inference_mode()
-def hf_generate(member: Member, prompt_ids: list[list[int]], max_new_tokens: int) -> list[tuple[str, int, str]]:
+def hf_texts(member: Member, prompt_ids: list[list[int]], max_new_tokens: int) -> list[tuple[str, int, str]]:
     """transformers' greedy `generate` over one left-padded static batch: (text, tokens, finish) per row."""
-    eos = sorted(member.eos_ids)
-    pad = member.tokenizer.pad_token_id if member.tokenizer.pad_token_id is not None else eos[0]
-    width = max(map(len, prompt_ids))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=member.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=member.device)
-    out = member.model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
-    rows = []
-    for row in out[:, width:].tolist():
-        ended = next((i for i, t in enumerate(row) if t in member.eos_ids), None)
-        new = row if ended is None else row[:ended]
-        text = b"".join(member.token_bytes[t] or b"" for t in new).decode("utf-8", errors="replace")
-        rows.append((text, len(row) if ended is None else ended + 1, "length" if ended is None else "eos"))
-    return rows
+    rows = hf_generate(member, prompt_ids, max_new_tokens).rows
+    spelled = [b"".join(member.token_bytes[t] or b"" for t in row.ids) for row in rows]
+    return [(text.decode("utf-8", errors="replace"), row.tokens, row.finish) for text, row in zip(spelled, rows)]
 
 
 def run_hf(member: Member, ids: list[str], messages: list[list[Message]], batch_size: int, max_new_tokens: int) -> Row:
     """The drafter alone, B prompts per `generate` call; a request's latency is its batch's end − the run's start."""
     prompt_ids = [chat_prompt_ids(member, m) for m in messages]
-    hf_generate(member, prompt_ids[:1], 2)  # warm-up
+    hf_texts(member, prompt_ids[:1], 2)  # warm-up
     requests: list[Request] = []
     with PeakRSS() as mem, Profiler([member]) as prof:
         start = time.perf_counter()
         for lo in range(0, len(prompt_ids), batch_size):
-            outs = hf_generate(member, prompt_ids[lo : lo + batch_size], max_new_tokens)
+            outs = hf_texts(member, prompt_ids[lo : lo + batch_size], max_new_tokens)
             end = time.perf_counter() - start
             requests += [Request(i, t, n, end, f) for i, (t, n, f) in zip(ids[lo:], outs)]
         wall = time.perf_counter() - start

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, model_validator
 
-from safe_engine import Ensemble, GenerationResult, ModelSpec, Request, build_request
+from safe_engine import Ensemble, GenerationResult, ModelSpec, Request
 from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, from_validation_error
 from safe_engine.knobs import UNSET_SAMPLING, adapted
-from safe_engine.shaping.request import overridden
+from safe_engine.shaping.request import check_known_fields, request_for_call
 from safe_engine.stats import TokenLogprob, chat_logprobs, completion_logprobs
 
 if TYPE_CHECKING:
@@ -85,15 +85,7 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
     @classmethod
     def _refuse_unknown(cls, data: Any) -> Any:
         """A misspelt option is an error, not silently ignored (pydantic would drop it)."""
-        if isinstance(data, dict):
-            known = set(_TOLERATED)
-            for name, info in cls.model_fields.items():
-                known.add(name)
-                if info.alias:
-                    known.add(info.alias)
-            unknown = sorted(set(data) - known)
-            if unknown:
-                raise ConfigError(f"unknown parameter(s) {unknown} for {cls.__name__}; valid: {sorted(known)}")
+        check_known_fields(cls, data, _TOLERATED)
         return data
 
     @model_validator(mode="after")
@@ -143,15 +135,10 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
         `build_request` keyword, under the engine's shared semantics: temperature 0 = greedy, max_tokens,
         timeout), for the prompt or messages in `inputs`."""
         call = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_KWARGS}
-        settings = {k: getattr(self, k) for k in KNOBS}
-        if self.top_logprobs is not None:
-            settings["top_logprobs"] = self.top_logprobs
-        options = overridden(settings, call)
-        if options.get("max_new_tokens", 0) is None:  # None: the engine's default length
-            del options["max_new_tokens"]
         if stop is not None:
-            options["stop"] = stop
-        return build_request(**inputs, **options)
+            call["stop"] = stop
+        settings = {k: getattr(self, k) for k in KNOBS} | {"top_logprobs": self.top_logprobs}
+        return request_for_call(settings, call, **inputs)
 
     def _generation_info(
         self, result: GenerationResult, logprobs: list[TokenLogprob] | None = None, offset: int = 0

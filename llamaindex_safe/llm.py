@@ -55,13 +55,13 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import PromptTemplate
 
-from safe_engine import Ensemble, GenerationResult, ModelSpec, Request, StreamEvent, build_request
+from safe_engine import Ensemble, GenerationResult, ModelSpec, Request, StreamEvent
 from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, ToolCallError, from_validation_error
 from safe_engine.knobs import KNOB_NAMES, UNSET_SAMPLING, adapted
 from safe_engine.runtime.llamacpp import peek_window
 from safe_engine.runtime.members import peek_spec
-from safe_engine.shaping.request import overridden
+from safe_engine.shaping.request import check_known_fields, request_for_call
 from safe_engine.stats import TokenLogprob
 
 from ._messages import engine_message, reply_message, tool_schema, tool_selections
@@ -173,12 +173,7 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
     @classmethod
     def _refuse_unknown(cls, data: Any) -> Any:
         """A misspelt option is an error, not silently dropped."""
-        if isinstance(data, dict):
-            known = {"class_name"} | set(cls.model_fields)  # class_name: LlamaIndex's to_dict round trip
-            known |= {f.alias for f in cls.model_fields.values() if f.alias}
-            unknown = sorted(set(data) - known)
-            if unknown:
-                raise ConfigError(f"unknown parameter(s) {unknown} for {cls.__name__}; valid: {sorted(known)}")
+        check_known_fields(cls, data, frozenset({"class_name"}))  # class_name: LlamaIndex's to_dict round trip
         return data
 
     @field_validator("stop", mode="before")
@@ -266,10 +261,8 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
         `build_request` keyword, under the engine's shared semantics: temperature 0 = greedy, max_tokens,
         timeout), for the prompt or messages in `inputs`."""
         settings = {name: getattr(self, name) for name in GENERATION_OPTIONS}
-        if self.top_logprobs is not None:
-            settings["top_logprobs"] = self.top_logprobs
-        options = overridden({**settings, "stop": tuple(self.stop)}, kwargs)
-        return build_request(**inputs, **options)
+        settings |= {"top_logprobs": self.top_logprobs, "stop": tuple(self.stop)}
+        return request_for_call(settings, kwargs, **inputs)
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
         if formatted:

@@ -30,6 +30,7 @@ import torch
 
 from .algorithm.decoding import ScheduleGauge
 from .engine.ensemble import Ensemble
+from .runtime.baseline import hf_generate
 from .runtime.members import Member, load_member
 from .runtime.placement import cpu_info, engine_thread, use_threads
 
@@ -92,13 +93,10 @@ def hf_per_token(member: Member, prompt: str, n: int, threads: int | None = None
     return {**out[0], "threads": threads}
 
 
-@torch.inference_mode()
 def _hf_generate(member: Member, prompt: str, n: int) -> dict:
-    enc = member.tokenizer(prompt, return_tensors="pt").to(member.device)
-    start = time.perf_counter()
+    prompt_ids = member.tokenizer(prompt)["input_ids"]
     with PeakRSS() as mem:
-        member.model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    wall = time.perf_counter() - start
+        wall = hf_generate(member, [prompt_ids], n, forced=True).wall_s
     return {
         "tokens": n,
         "wall_s": wall,

@@ -389,14 +389,11 @@ def make_batched_single_config(
     stops once its text contains one (transformers ``stop_strings``); the text is cut before it, the
     record's ``finish_reason`` is ``"stop"`` and ``tokens`` counts up to the token that completed it.
     """
-    import torch
-
+    from safe_engine.runtime.baseline import hf_generate
     from safe_engine.shaping.chat import chat_prompt_ids
 
     order = {p.id: i for i, p in enumerate(problems)}
     answers: dict[str, dict[str, Any]] = {}
-    eos = sorted(member.eos_ids)
-    pad = member.tokenizer.pad_token_id if member.tokenizer.pad_token_id is not None else eos[0]
     stops = tuple(s for s in stop if s)
     stop_kwargs: dict[str, Any] = {"stop_strings": list(stops), "tokenizer": member.tokenizer} if stops else {}
 
@@ -416,29 +413,12 @@ def make_batched_single_config(
                 lo = mid + 1
         return lo
 
-    @torch.inference_mode()
     def generate_batch(batch: Sequence[Problem]) -> None:
         prompts = [chat_prompt_ids(member, build_prompt(p, chat=True, fewshot=fewshot)) for p in batch]
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(x)) + x for x in prompts], device=member.device)
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in prompts], device=member.device)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        out = member.model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=pad,
-            **stop_kwargs,
-        )
-        per_problem = (time.perf_counter() - start) / len(batch)
-        cpu_per_problem = (time.process_time() - cpu_start) / len(batch)
-        for p, row in zip(batch, out[:, width:].tolist(), strict=True):
-            ended = next((i for i, t in enumerate(row) if t in member.eos_ids), None)
-            new = row if ended is None else row[:ended]
-            tokens = len(new) if ended is None else ended + 1  # the EOS counts, as in the engine's stats
-            finish = "length" if ended is None else "eos"
+        out = hf_generate(member, prompts, max_new_tokens, **stop_kwargs)
+        per_problem, cpu_per_problem = out.wall_s / len(batch), out.cpu_s / len(batch)
+        for p, row in zip(batch, out.rows, strict=True):
+            new, tokens, finish = row.ids, row.tokens, row.finish
             stopped = stop_length(new)
             if stopped is not None:  # a stop string ends the answer (rows after it are padding)
                 new, tokens, finish = new[:stopped], stopped, "stop"

@@ -40,14 +40,27 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _FIELDS = tuple(f.name for f in fields(GenerationConfig))
 
 
-def overridden(settings: Mapping[str, Any], call: Mapping[str, Any]) -> dict[str, Any]:
-    """A door's standing settings (GenerationConfig names) overridden by one call's options, which may use an
-    alias: a call's `max_tokens` replaces the setting `max_new_tokens`."""
-    options = dict(settings)
+def request_for_call(settings: Mapping[str, Any], call: Mapping[str, Any], **inputs: Any) -> Request:
+    """One framework call's `Request`: an adapter's standing fields (GenerationConfig names; None = the
+    engine's default, for `max_new_tokens`, `top_logprobs`) overridden by the call's options, which may use
+    an alias (a call's `max_tokens` replaces the field `max_new_tokens`). Both adapters build requests here,
+    so a field and a call option mean the same in LangChain and LlamaIndex."""
+    options = {k: v for k, v in settings.items() if not (k in ("max_new_tokens", "top_logprobs") and v is None)}
     for key, value in call.items():
         options.pop(ALIASES.get(key, key), None)
         options[key] = value
-    return options
+    return build_request(**inputs, **options)
+
+
+def check_known_fields(owner: Any, data: Any, tolerated: frozenset[str] = frozenset()) -> None:
+    """A misspelt adapter option is an error, not silently dropped (pydantic would drop it). `owner` is a
+    pydantic model class: its fields and their aliases, and `tolerated`, are the known names."""
+    if not isinstance(data, dict):
+        return
+    known = set(tolerated) | set(owner.model_fields) | {f.alias for f in owner.model_fields.values() if f.alias}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown parameter(s) {unknown} for {owner.__name__}; valid: {sorted(known)}")
 
 
 @dataclass(frozen=True)
