@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
 import torch
 
 from safe_engine import Ensemble
+from safe_engine.bench import print_json
 from safe_engine.runtime.members import load_member
 
 QUESTION = "Describe a cat called Tom who is 3 years old: give its name, age and two hobbies."
@@ -103,10 +103,7 @@ def main() -> None:
         }
         result["runs"][method] = {"rows": rows, "constrained_vs_free_tokens_per_s": ratios}
         print(json.dumps({method: ratios}), flush=True)
-    text = json.dumps(result, indent=2, ensure_ascii=False)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    print_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -23,6 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from safe_engine.algorithm.alignment import FREEZE_MARGIN
+from safe_engine.bench import print_json
 from safe_engine.runtime.rows import LocalRow, next_token_logprobs
 from safe_engine.runtime.vocab import Vocab
 
@@ -126,10 +126,7 @@ def main() -> None:
         "retokenization": retokenization(tuple(args.sizes_kb), args.repeats),
         "rows": rows(151_936, args.repeats),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    print_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+from safe_engine.bench import print_json
 from safe_engine.runtime.placement import available_cores
 
 DRAFTER, VERIFIER = "qwen2.5-coder-0.5b", "smollm2-135m"
@@ -81,10 +81,7 @@ def main() -> int:
         "pairs": pairs,
         "median_ratio": statistics.median(p["ratio"] for p in pairs),
     }
-    text = json.dumps(result, indent=2, ensure_ascii=False)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json(result, args.out)
     return 0
 
 

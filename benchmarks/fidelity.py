@@ -111,10 +111,9 @@ def main() -> None:
         while common < min(len(before["text"]), len(after["text"])) and before["text"][common] == after["text"][common]:
             common += 1
         after["first_difference_at_char"] = None if after["text_equal_to_before"] else common
-    text = json.dumps(result, indent=2, ensure_ascii=False)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n", encoding="utf-8")
+    from safe_engine.bench import print_json  # only now: the runs above import each checkout's own engine
+
+    print_json(result, args.out)
 
 
 if __name__ == "__main__":

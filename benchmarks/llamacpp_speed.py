@@ -19,19 +19,17 @@ its pages count once read).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import torch
 
 from safe_engine import Ensemble
-from safe_engine.bench import _rss_mib
+from safe_engine.bench import _rss_mib, print_json
 from safe_engine.runtime.placement import available_cores, cpu_info
 
 MODELS = ["qwen2.5-coder-0.5b", "smollm2-135m"]  # drafter first
@@ -132,11 +130,7 @@ def main() -> int:
         ),
         "runs": runs,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    print_json(result, args.out)
     return 0
 
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from safe_engine import Ensemble
+from safe_engine.bench import print_json
 from safe_engine.runtime.llamacpp import LlamaCppMember, load_llamacpp_member
 from safe_engine.runtime.members import Job, ModelSpec, crop_cache
 from safe_engine.runtime.placement import cpu_info
@@ -235,9 +236,7 @@ def main() -> int:
         "two_copies": copies,
         "wall_s": time.perf_counter() - started,
     }
-    text = json.dumps(result, indent=2, ensure_ascii=False)
-    print(text)
-    Path(args.out).write_text(text + "\n")
+    print_json(result, args.out)
     return 0
 
 

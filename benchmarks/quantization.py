@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from safe_engine.bench import print_json
+
 MODELS = ["qwen2.5-coder-0.5b", "smollm2-135m"]
 MESSAGES = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]
 
@@ -205,10 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if not args.layer_only:
         report["rows"] = [compare(args.tokens, None, args.repeats), compare(args.tokens, 1, args.repeats)]
     report["run_s"] = round(time.perf_counter() - started, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json(report, args.out)
     return report
 
 

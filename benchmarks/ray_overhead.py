@@ -15,7 +15,6 @@ python benchmarks/ray_overhead.py --out benchmarks/results/ray_overhead.json
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from safe_engine import Ensemble, ModelSpec
+from safe_engine.bench import print_json
 from safe_engine.runtime.ray import RayMember
 
 TINY = [("qwen2.5-7b-instruct", 1), ("llama2", 2), ("gpt2", 3)]
@@ -164,11 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             results["methods"][method] = measure(placements, method, args.max_new_tokens, args.repeats)
         results["max_call_bytes"] = max(m.traffic.snapshot()["max_call_bytes"] for m in remote.members)
         ray.shutdown()
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    print_json(results, args.out)
     return 0
 
 

@@ -31,9 +31,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
+
+from safe_engine.bench import print_json
 
 MODELS = ["qwen2.5-coder-0.5b", "smollm2-135m"]
 TOPICS = [
@@ -242,10 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         "same_text_as_in_process": {str(c): server_texts[c] == inprocess_texts[c] for c in args.concurrency},
         "run_s": round(time.perf_counter() - started, 1),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json(report, args.out)
     return 0
 
 

@@ -69,6 +69,15 @@ class PeakRSS:
         self.peak = max(self.peak, _rss_mib())
 
 
+def print_json(result: Any, out: str | Path | None = None) -> None:
+    """A benchmark's result: printed as JSON and, with `out`, written there too (folders made)."""
+    text = json.dumps(result, indent=2, ensure_ascii=False)
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n", encoding="utf-8")
+
+
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -14,6 +15,16 @@ from safe_engine import Member
 
 SHARED = Path(os.environ.get("SAFE_SHARED_DIR", Path(__file__).resolve().parents[1] / ".." / "shared")).resolve()
 TOKENIZERS = SHARED / "tokenizers"
+
+
+def function_tool(name: str = "multiply", description: str = "Multiply two integers.") -> dict:
+    """An OpenAI-style function tool taking two integers `a` and `b` (short calls, easy to check)."""
+    parameters = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+    }
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
 
 
 def require_shared() -> None:
@@ -28,9 +39,20 @@ def tokenizer(name: str):
     return AutoTokenizer.from_pretrained(TOKENIZERS / name)
 
 
+#: The tiny models' sizes (any architecture): 2 layers, 4 heads over 2 KV heads, width 32.
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "initializer_range": 0.6,
+}
+
+
 @cache
-def tiny_model(vocab_size: int, seed: int, eos_token_id: int | None = None) -> LlamaForCausalLM:
-    """A 2-layer random Llama whose vocabulary matches a real tokenizer.
+def tiny_model(vocab_size: int, seed: int, eos_token_id: int | None = None, context: int = 4096) -> LlamaForCausalLM:
+    """A 2-layer random Llama whose vocabulary matches a real tokenizer, with a `context`-token window.
 
     A large init scale makes its next-token distributions peaked, so greedy choices are not
     near-ties that float noise could flip.
@@ -38,22 +60,36 @@ def tiny_model(vocab_size: int, seed: int, eos_token_id: int | None = None) -> L
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.6,
+        max_position_embeddings=context,
         eos_token_id=eos_token_id,
         tie_word_embeddings=False,
+        **TINY,
     )
     return LlamaForCausalLM(config).eval()
 
 
-def tiny_member(name: str, seed: int = 0, **kwargs) -> Member:
+def tiny_member(name: str, seed: int = 0, context: int = 4096, **kwargs) -> Member:
+    """A member over the real tokenizer `name` and a tiny random model (cached: members share it)."""
     tok = tokenizer(name)
-    return Member(tiny_model(len(tok), seed, tok.eos_token_id), tok, name=f"{name}-{seed}", **kwargs)
+    label = f"{name}-{seed}" if context == 4096 else f"{name}-{seed}-ctx{context}"
+    return Member(tiny_model(len(tok), seed, tok.eos_token_id, context), tok, name=label, **kwargs)
+
+
+def save_tiny_member(name: str, seed: int, path: Path, context: int = 4096) -> str:
+    """`tiny_member(name, seed)` saved as a Hugging Face directory at `path` (what a user passes to `-m`)."""
+    member = tiny_member(name, seed, context)
+    member.model.save_pretrained(path)
+    member.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def one_torch_thread() -> Iterator[None]:
+    """For a package's autouse fixture: tiny models run faster on one torch thread than on two competing
+    OpenMP teams; the count is put back after the package."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

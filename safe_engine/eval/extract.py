@@ -28,22 +28,6 @@ from typing import Any
 
 from safe_engine.eval.tasks import Problem
 
-__all__ = [
-    "Score",
-    "bbh_equal",
-    "extract_bbh",
-    "extract_boxed",
-    "extract_choice",
-    "extract_gsm8k",
-    "extract_math_answer",
-    "extract_number",
-    "math_equal",
-    "normalize_math",
-    "normalize_number",
-    "numbers_equal",
-    "score",
-]
-
 
 @dataclass(frozen=True)
 class Score:
@@ -288,39 +272,57 @@ def _canonical_decimal(s: str) -> str:
     return format(dec.normalize(), "f")
 
 
-def _canonical_commands(s: str) -> str:
-    """Rewrite ``\\frac`` and ``\\sqrt`` with explicit braces: ``\\frac12`` -> ``\\frac{1}{2}``."""
+_COMMAND = re.compile(r"\\(frac|sqrt)(?![a-zA-Z])")
+
+
+def _map_commands(
+    s: str, render: Callable[[str, str | None, list[str]], str | None], open_index: bool = False
+) -> tuple[str, int | None]:
+    """Rewrite each ``\\frac{a}{b}`` / ``\\sqrt[n]{a}`` of ``s`` as ``render(name, n or None, [a, b] or [a])``.
+
+    Returns the rewritten text and None; or, at the first command with unbalanced braces (or one ``render``
+    refuses with None), the text before it and the command's position. `open_index`: a ``[`` never closed
+    is read as the root's argument (``\\sqrt[`` -> ``\\sqrt{[}``), not as unbalanced."""
     out: list[str] = []
     i = 0
     while i < len(s):
-        m = re.match(r"\\(frac|sqrt)(?![a-zA-Z])", s[i:])
+        m = _COMMAND.match(s, i)
         if not m:
             out.append(s[i])
             i += 1
             continue
-        name = m.group(1)
-        j = i + m.end()
-        if name == "sqrt":
-            index = ""
-            if j < len(s) and s[j] == "[":
-                close = s.find("]", j)
-                if close > 0:
-                    index, j = s[j : close + 1], close + 1
+        j, index = m.end(), None
+        if m.group(1) == "sqrt" and j < len(s) and s[j] == "[":
+            close = s.find("]", j)
+            if close >= 0:
+                index, j = s[j + 1 : close], close + 1
+            elif not open_index:
+                return "".join(out), i
+        groups: list[str] = []
+        for _ in range(1 if m.group(1) == "sqrt" else 2):
             group = _read_group(s, j)
             if group is None:
-                out.append(s[i:])
-                break
-            out.append(f"\\sqrt{index}{{{_canonical_commands(group[0])}}}")
-            i = group[1]
-        else:
-            num = _read_group(s, j)
-            den = _read_group(s, num[1]) if num else None
-            if num is None or den is None:
-                out.append(s[i:])
-                break
-            out.append(f"\\frac{{{_canonical_commands(num[0])}}}{{{_canonical_commands(den[0])}}}")
-            i = den[1]
-    return "".join(out)
+                return "".join(out), i
+            groups.append(group[0])
+            j = group[1]
+        rendered = render(m.group(1), index, groups)
+        if rendered is None:
+            return "".join(out), i
+        out.append(rendered)
+        i = j
+    return "".join(out), None
+
+
+def _canonical_commands(s: str) -> str:
+    """Rewrite ``\\frac`` and ``\\sqrt`` with explicit braces: ``\\frac12`` -> ``\\frac{1}{2}`` (an unbalanced
+    command and what follows it are kept as they are)."""
+
+    def render(name: str, index: str | None, args: list[str]) -> str:
+        braced = "".join(f"{{{_canonical_commands(a)}}}" for a in args)
+        return f"\\{name}{'' if index is None else f'[{index}]'}{braced}"
+
+    text, stop = _map_commands(s, render, open_index=True)
+    return text if stop is None else text + s[stop:]
 
 
 # ==================================================================================================
@@ -440,47 +442,18 @@ def _replace_commands(s: str) -> str | None:
 
     Returns None when braces are unbalanced, so malformed answers are never evaluated.
     """
-    out: list[str] = []
-    i = 0
-    while i < len(s):
-        m = re.match(r"\\(frac|sqrt)(?![a-zA-Z])", s[i:])
-        if not m:
-            out.append(s[i])
-            i += 1
-            continue
-        j = i + m.end()
-        if m.group(1) == "sqrt":
-            index = None
-            if j < len(s) and s[j] == "[":
-                close = s.find("]", j)
-                if close < 0:
-                    return None
-                index, j = s[j + 1 : close], close + 1
-            group = _read_group(s, j)
-            if group is None:
-                return None
-            inner = _replace_commands(group[0])
-            if inner is None:
-                return None
-            if index is None:
-                out.append(f"sqrt({inner})")
-            else:
-                idx = _replace_commands(index)
-                if idx is None:
-                    return None
-                out.append(f"(({inner})**(1/({idx})))")
-            i = group[1]
-        else:
-            num = _read_group(s, j)
-            den = _read_group(s, num[1]) if num else None
-            if num is None or den is None:
-                return None
-            n_, d_ = _replace_commands(num[0]), _replace_commands(den[0])
-            if n_ is None or d_ is None:
-                return None
-            out.append(f"(({n_})/({d_}))")
-            i = den[1]
-    return "".join(out)
+
+    def render(name: str, index: str | None, args: list[str]) -> str | None:
+        inner = [_replace_commands(a) for a in args]
+        root = None if index is None else _replace_commands(index)
+        if None in inner or (index is not None and root is None):
+            return None
+        if name == "frac":
+            return f"(({inner[0]})/({inner[1]}))"
+        return f"sqrt({inner[0]})" if index is None else f"(({inner[0]})**(1/({root})))"
+
+    text, stop = _map_commands(s, render)
+    return text if stop is None else None
 
 
 _BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {

@@ -43,18 +43,11 @@ def hf_generate(
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=member.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=member.device)
+    greedy = {"max_new_tokens": max_new_tokens, "do_sample": False, "eos_token_id": eos, "pad_token_id": pad}
     if forced:
-        generate["min_new_tokens"] = max_new_tokens
+        greedy["min_new_tokens"] = max_new_tokens
     start, cpu_start = time.perf_counter(), time.process_time()
-    out = member.model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        **generate,
-    )
+    out = member.model.generate(input_ids=ids, attention_mask=mask, **greedy, **generate)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     rows = []
     for row in out[:, width:].tolist():

@@ -8,26 +8,20 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from safe_engine import Ensemble, GenerationResult, Member
-from tests.conftest import tiny_member, tokenizer
+from tests.conftest import one_torch_thread, tiny_member, tokenizer
 
 FAMILIES = ("gpt2", "llama2", "qwen2.5-7b-instruct", "mistral-7b-instruct-v0.3", "gpt-neox-20b", "exaone-3.5")
 SIMPLE_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 FINISH_REASONS = {"eos", "length", "stop"}
 
 
-@pytest.fixture(scope="package", autouse=True)  # package: before any module-scoped fixture runs
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_torch_thread = pytest.fixture(scope="package", autouse=True)(one_torch_thread)  # before module fixtures
 
 
 def small_window_member(
@@ -37,32 +31,20 @@ def small_window_member(
 
     `learned_positions` builds a GPT-2 (absolute position embeddings: running past the window is an
     IndexError, not silent garbage as with rotary Llama)."""
+    if not learned_positions:
+        return tiny_member(name, seed, context=window)
     tok = tokenizer(name)
     torch.manual_seed(seed)
-    if learned_positions:
-        gpt2 = GPT2Config(
-            vocab_size=len(tok),
-            n_positions=window,
-            n_embd=32,
-            n_layer=2,
-            n_head=4,
-            initializer_range=0.6,
-            eos_token_id=tok.eos_token_id,
-        )
-        return Member(GPT2LMHeadModel(gpt2).eval(), tok, name=f"{name}-abs{window}")
-    config = LlamaConfig(
+    gpt2 = GPT2Config(
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=window,
+        n_positions=window,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
         initializer_range=0.6,
         eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
     )
-    return Member(LlamaForCausalLM(config).eval(), tok, name=f"{name}-ctx{window}")
+    return Member(GPT2LMHeadModel(gpt2).eval(), tok, name=f"{name}-abs{window}")
 
 
 @pytest.fixture(scope="package")

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from safe_engine import Ensemble, GenerationConfig
 from safe_engine.server import BackgroundServer, create_app  # the test extra installs the [server] extra
-from tests.conftest import tiny_member
+from tests.conftest import one_torch_thread, save_tiny_member
 
 KEY = "sk-test-0123456789"
 MODEL = "tiny-safe"
@@ -31,12 +30,7 @@ DEFAULT_TOKENS = 12
 FAMILIES = (("qwen2.5-7b-instruct", 1), ("mistral-7b-instruct-v0.3", 2))
 
 
-@pytest.fixture(scope="package", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_torch_thread = pytest.fixture(scope="package", autouse=True)(one_torch_thread)  # before module fixtures
 
 
 @pytest.fixture(scope="package")
@@ -48,14 +42,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 def save_tiny_members(root: Path) -> list[str]:
     """Save each of FAMILIES' tiny members under `root` as a Hugging Face directory; their paths, in order
     (also benchmarks/soak.py's models)."""
-    dirs = []
-    for name, seed in FAMILIES:
-        member = tiny_member(name, seed)
-        path = root / f"{name}-{seed}"
-        member.model.save_pretrained(path)
-        member.tokenizer.save_pretrained(path)
-        dirs.append(str(path))
-    return dirs
+    return [save_tiny_member(name, seed, root / f"{name}-{seed}") for name, seed in FAMILIES]
 
 
 @dataclass

@@ -8,6 +8,7 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError, NotFoundError, OpenAI
 
 from safe_engine.shaping.tools import parse_tool_calls
+from tests.conftest import function_tool
 from tests.scripted import pieces, script
 
 from .conftest import DEFAULT_TOKENS, KEY, MODEL
@@ -16,19 +17,8 @@ CHAT = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name a prime number."},
 ]
-MULTIPLY = {
-    "type": "function",
-    "function": {
-        "name": "multiply",
-        "description": "Multiply two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
-ADD = {**MULTIPLY, "function": {**MULTIPLY["function"], "name": "add", "description": "Add two integers."}}
+MULTIPLY = function_tool()
+ADD = function_tool("add", "Add two integers.")
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from openai import BadRequestError, OpenAI
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, Field, TypeAdapter
 
+from tests.conftest import function_tool
 from tests.scripted import pieces, script
 
 from .conftest import KEY, MODEL
@@ -23,16 +24,7 @@ QUESTION = "Name a prime number."
 CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
 N = 10
 AUTH = {"Authorization": f"Bearer {KEY}"}
-MULTIPLY = {
-    "type": "function",
-    "name": "multiply",
-    "description": "Multiply two integers.",
-    "parameters": {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"],
-    },
-}
+MULTIPLY = {"type": "function", **function_tool()["function"]}  # the Responses API's flat tool
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
 EVENTS = TypeAdapter(ResponseStreamEvent)
 

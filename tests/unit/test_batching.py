@@ -13,7 +13,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from safe_engine import Ensemble, Member
 from safe_engine.algorithm import decoding
 from safe_engine.runtime.packed import KVPool, packed_forward
-from tests.conftest import tiny_member, tokenizer
+from tests.conftest import TINY, tiny_member, tokenizer
 
 PROMPT = "The quick brown fox"
 
@@ -29,18 +29,13 @@ def tiny_gemma(window: int = 8, seed: int = 4) -> Member:
     torch.manual_seed(seed)
     config = Gemma3TextConfig(
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
         sliding_window=window,
         layer_types=["sliding_attention", "full_attention"],
         max_position_embeddings=4096,
-        initializer_range=0.6,
         eos_token_id=tok.eos_token_id,
         pad_token_id=0,
+        **TINY,
     )
     return Member(Gemma3ForCausalLM(config).eval(), tok, name=f"gemma-window{window}")
 

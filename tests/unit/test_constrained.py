@@ -30,7 +30,7 @@ from safe_engine.shaping.constrained import (
 from safe_engine.shaping.request import build_request
 from safe_engine.shaping.schemas import strict
 from safe_engine.shaping.tools import parse_tool_calls
-from tests.conftest import tiny_member, tokenizer
+from tests.conftest import function_tool, tiny_member, tokenizer
 
 try:
     import jsonschema
@@ -115,18 +115,7 @@ ITEMS = {
     "maxItems": 3,
 }
 SCHEMAS = [PERSON, STATUS, ITEMS, {"type": "object"}]
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
-    },
-}
+ADD = function_tool("add", "Add two integers.")
 SEARCH = {
     "name": "search",
     "parameters": {

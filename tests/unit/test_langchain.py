@@ -28,7 +28,7 @@ from safe_engine.errors import ConfigError, InputError
 from safe_engine.shaping.chat import chat_prompt_ids
 from safe_engine.shaping.schemas import strict
 from safe_engine.shaping.tools import new_tool_call_id
-from tests.conftest import tiny_member, tokenizer
+from tests.conftest import save_tiny_member, tiny_member, tokenizer
 from tests.scripted import ScriptedStream, script
 
 PROMPT = "The quick brown fox"
@@ -229,12 +229,8 @@ def test_construction_errors(ens):
         ChatSafe(ensemble=ens, top_k="ten")  # pydantic's own type check, reported as a ConfigError too
 
 
-def _save_tiny(tmp_path, name: str, seed: int):
-    member = tiny_member(name, seed)
-    out = tmp_path / f"{name}-saved"
-    member.model.save_pretrained(out)
-    tokenizer(name).save_pretrained(out)
-    return out
+def _save_tiny(tmp_path, name: str, seed: int) -> str:
+    return save_tiny_member(name, seed, tmp_path / f"{name}-saved")
 
 
 def test_lazy_loading_from_specs(tmp_path, monkeypatch, members):

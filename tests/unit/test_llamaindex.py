@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from llama_index.core import Document, MockEmbedding, Settings, VectorStoreIndex
 from llama_index.core.agent.workflow import FunctionAgent
 from llama_index.core.base.llms.generic_utils import messages_to_prompt as generic_messages_to_prompt
@@ -34,7 +33,6 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.tools import FunctionTool
 from pydantic import BaseModel
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import safe_engine.engine.ensemble
 from llamaindex_safe import SafeLLM
@@ -44,13 +42,12 @@ from safe_engine import (
     Ensemble,
     GenerationTimeout,
     InputTypeError,
-    Member,
     ModelLoadError,
     ToolCallError,
 )
 from safe_engine.shaping.schemas import strict
 from safe_engine.shaping.tools import TOOL_CALL_OPEN
-from tests.conftest import tiny_member, tokenizer
+from tests.conftest import save_tiny_member, tiny_member
 from tests.scripted import script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,25 +66,6 @@ def ens() -> Ensemble:
 @pytest.fixture
 def llm(ens) -> SafeLLM:
     return SafeLLM(ensemble=ens, max_new_tokens=N)
-
-
-def _tiny(name: str, seed: int, context: int) -> Member:
-    """Like conftest.tiny_member, with a chosen context window (max_position_embeddings)."""
-    tok = tokenizer(name)
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=context,
-        initializer_range=0.6,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    return Member(LlamaForCausalLM(config).eval(), tok, name=f"{name}-{seed}-{context}")
 
 
 class Collector(BaseEventHandler):
@@ -370,7 +348,7 @@ def test_metadata_values(ens):
     assert meta.is_chat_model is True
     assert meta.model_name == "safe:" + "+".join(ens.names)
 
-    small = Ensemble([tiny_member("qwen2.5-7b-instruct", 1), _tiny("mistral-7b-instruct-v0.3", 5, 2048)])
+    small = Ensemble([tiny_member("qwen2.5-7b-instruct", 1), tiny_member("mistral-7b-instruct-v0.3", 5, context=2048)])
     assert SafeLLM(ensemble=small).metadata.context_window == 2048  # the smallest member's
     capped = SafeLLM(ensemble=small, context_window=1000, model_name="mine", is_chat_model=False).metadata
     assert (capped.context_window, capped.model_name, capped.is_chat_model) == (1000, "mine", False)
@@ -381,13 +359,10 @@ def test_metadata_values(ens):
 def model_dirs(tmp_path_factory) -> list[str]:
     """Two tiny models saved with save_pretrained (+ their tokenizers), as a user's local directories."""
     root = tmp_path_factory.mktemp("models")
-    dirs = []
-    for member in (_tiny("qwen2.5-7b-instruct", 1, 4096), _tiny("mistral-7b-instruct-v0.3", 2, 2048)):
-        path = root / member.name
-        member.model.save_pretrained(path)
-        member.tokenizer.save_pretrained(path)
-        dirs.append(str(path))
-    return dirs
+    return [
+        save_tiny_member("qwen2.5-7b-instruct", 1, root / "qwen"),
+        save_tiny_member("mistral-7b-instruct-v0.3", 2, root / "mistral", context=2048),
+    ]
 
 
 @pytest.fixture

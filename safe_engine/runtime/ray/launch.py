@@ -170,25 +170,9 @@ def start_ray_members(
 
 
 def load_ray_members(
-    specs: Sequence[str | ModelSpec],
-    *,
-    devices: Sequence[str | None] | None = None,
-    dtype: str | torch.dtype | None = None,
-    trust_remote_code: bool = False,
-    member_resources: dict | Sequence[dict | None] | None = None,
-    ray_address: str | None = None,
-    member_timeout_s: float | None = None,
-    load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
+    specs: Sequence[str | ModelSpec], *, trust_remote_code: bool = False, **options: Any
 ) -> list[RayMember]:
-    """Load each spec in its own Ray actor; returns the driver-side `RayMember`s."""
-    pending = start_ray_members(
-        specs,
-        devices=devices,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-        member_resources=member_resources,
-        ray_address=ray_address,
-        member_timeout_s=member_timeout_s,
-        load_timeout_s=load_timeout_s,
-    )
+    """Load each spec in its own Ray actor and wait; returns the driver-side `RayMember`s. `options` are
+    `start_ray_members`' keywords (devices, dtype, member_resources, ray_address, the timeouts)."""
+    pending = start_ray_members(specs, trust_remote_code=trust_remote_code, **options)
     return pending.wait(trust_remote_code)
