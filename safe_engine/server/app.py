@@ -28,6 +28,7 @@ from . import responses as rsp
 from .call import Call, ready
 from .http import DEFAULT_MAX_BODY_BYTES, add_error_handlers
 from .metrics import CONTENT_TYPE_LATEST, MetricsMiddleware
+from .schemas import ChatCompletionRequest, CompletionRequest
 from .state import DEFAULT_STREAM_IDLE_TIMEOUT_S, ServerState, drafter_name, of
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_STREAM_IDLE_TIMEOUT_S", "ServerState", "create_app"]
@@ -198,7 +199,7 @@ async def responses(request: Request) -> Response:
     return JSONResponse(rsp.response(echo, result, batch.usage([result])))
 
 
-def _include_usage(req: Any) -> bool:
+def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
     """Whether a chat or completions stream ends with a usage chunk (`stream_options.include_usage`)."""
     return bool(req.stream_options and req.stream_options.include_usage)
 

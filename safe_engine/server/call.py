@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
+from pydantic import BaseModel
 
 from ..engine.ensemble import Ensemble
 from ..errors import SafeEngineError
@@ -32,6 +33,8 @@ LOGPROBS_AND_PENALTIES = (
 
 
 class _Parsed(Protocol):
+    """Any endpoint's parsed request: each names the model it asks for (None: the served one)."""
+
     model: str | None
 
 
@@ -63,7 +66,7 @@ class Call:
         req = parse(await json_body(request, state.max_body_bytes))
         return cls(request, state, ens, state.served(req.model), arrived), req
 
-    def engine_request(self, req: Any, limit_name: str | None = None, **inputs: Any) -> EngineRequest:
+    def engine_request(self, req: BaseModel, limit_name: str | None = None, **inputs: Any) -> EngineRequest:
         """The engine's Request (`build_request`, as at every door): OpenAI's fields by the engine's shared
         semantics, the SAFE knobs by their own names, the server's defaults underneath. `limit_name`: what
         the request calls its token limit, for the error when it is too large."""
