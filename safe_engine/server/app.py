@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..config import GenerationConfig
@@ -98,7 +98,8 @@ def create_app(
     app.state.safe = state
     app.add_middleware(MetricsMiddleware, metrics=state.metrics)
     add_error_handlers(app)
-    app.include_router(router)
+    for method, path, endpoint in ROUTES:
+        app.add_api_route(path, endpoint, methods=[method])
     return app
 
 
@@ -130,10 +131,6 @@ def _serve(state: ServerState, ens: Ensemble, on_ready: Callable[[ServerState], 
 
 
 # -- the endpoints ---------------------------------------------------------------------------------------------
-router = APIRouter()
-
-
-@router.get("/health")
 async def health(request: Request) -> Response:
     state = of(request)
     if state.ensemble is None:
@@ -145,25 +142,21 @@ async def health(request: Request) -> Response:
     return JSONResponse(body)
 
 
-@router.get("/v1/models")
 async def models(request: Request) -> Response:
     state, ens = ready(request)
     return JSONResponse({"object": "list", "data": [_card(state, ens)]})
 
 
-@router.get("/v1/models/{name:path}")
 async def model(name: str, request: Request) -> Response:
     state, ens = ready(request)
     state.served(name)
     return JSONResponse(_card(state, ens))
 
 
-@router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(of(request).metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     call, req = await Call.open(request, chat.parse)
     batch = await call.start([call.engine_request(req, **chat.engine_inputs(req))], req.n or 1)
@@ -174,7 +167,6 @@ async def chat_completions(request: Request) -> Response:
     return JSONResponse(body)
 
 
-@router.post("/v1/completions")
 async def text_completions(request: Request) -> Response:
     call, req = await Call.open(request, completions.parse)
     prompts = completions.prompts(req.prompt, call.ens)
@@ -188,7 +180,6 @@ async def text_completions(request: Request) -> Response:
     return JSONResponse(body)
 
 
-@router.post("/v1/responses")
 async def responses(request: Request) -> Response:
     call, req = await Call.open(request, rsp.parse)
     batch = await call.start([call.engine_request(req, **rsp.engine_inputs(req))], 1)
@@ -197,6 +188,18 @@ async def responses(request: Request) -> Response:
         return streaming.responses(batch, call.state, echo)
     (result,) = await call.results(batch)
     return JSONResponse(rsp.response(echo, result, batch.usage([result])))
+
+
+#: (method, path, endpoint): every route of the app, in the order they are matched
+ROUTES: tuple[tuple[str, str, Callable[..., Awaitable[Response]]], ...] = (
+    ("GET", "/health", health),
+    ("GET", "/v1/models", models),
+    ("GET", "/v1/models/{name:path}", model),
+    ("GET", "/metrics", metrics),
+    ("POST", "/v1/chat/completions", chat_completions),
+    ("POST", "/v1/completions", text_completions),
+    ("POST", "/v1/responses", responses),
+)
 
 
 def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
