@@ -32,13 +32,6 @@ def sse_event(data: dict[str, Any]) -> bytes:
     return f"event: {data['type']}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def usage(result: GenerationResult, drafter: str) -> dict[str, int]:
-    """Token counts in the drafter's tokenization (the text the client sees is the drafter's)."""
-    prompt = int(result.stats.prompt_tokens.get(drafter, 0))
-    completion = int(result.stats.tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 def tool_calls(result: GenerationResult) -> list[dict[str, Any]]:
     """The reply's tool calls in OpenAI's shape (arguments as a JSON string)."""
     return [

@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from .app import ServerState
+from .state import ServerState
 
 
 class SafeServer(uvicorn.Server):
