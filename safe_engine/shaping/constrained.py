@@ -76,7 +76,7 @@ import torch
 from ..errors import ConfigError, InputError, SafeEngineError
 from ..runtime.vocab import Vocab
 from .schemas import call_schema, schema_dict, tool_parameters
-from .tools import normalize_tool_choice, tool_names
+from .tools import TOOL_CHOICES, ToolChoice, tool_names
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
@@ -146,10 +146,10 @@ class Grammar:
 
     @classmethod
     def tool_calls(
-        cls, tools: Sequence[Mapping[str, Any]], choice: Any = "auto", parallel: bool = True
+        cls, tools: Sequence[Mapping[str, Any]], choice: ToolChoice = "auto", parallel: bool = True
     ) -> Grammar | None:
-        """Tool calls in the Hermes / Qwen2.5 format; `choice` as `safe_engine.shaping.tools.normalize_tool_choice`
-        reads it:
+        """Tool calls in the Hermes / Qwen2.5 format; `choice` as `build_request` carries it
+        (`safe_engine.shaping.tools.normalize_tool_choice`):
 
         - "auto": free text without ``<tool_call>``, or text followed by one or more valid calls (once
           ``<tool_call>`` is written, a valid call must follow);
@@ -160,7 +160,11 @@ class Grammar:
         `parallel=False`: one call at most (OpenAI's `parallel_tool_calls`).
         """
         names = tool_names(tools)
-        choice = normalize_tool_choice(choice, tools)
+        if choice not in (*TOOL_CHOICES, *names):
+            raise ConfigError(
+                f"tool_choice {choice!r} is not 'auto', 'none', 'required' or a tool of {names} "
+                "(normalize_tool_choice reads the other forms, as build_request does)"
+            )
         if choice == "none":
             return None
         if choice in ("auto", "required"):
@@ -196,7 +200,7 @@ class Grammar:
         cls,
         json_schema: Mapping[str, Any] | str | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: Any = None,
+        tool_choice: ToolChoice = "auto",
         parallel_tool_calls: bool = True,
     ) -> Grammar | None:
         """The grammar of the engine API's `json_schema=` / `tools=` + `tool_choice=`; None: unconstrained."""

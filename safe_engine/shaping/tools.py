@@ -67,9 +67,16 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
     return names
 
 
-def normalize_tool_choice(choice: Any, tools: Sequence[Mapping[str, Any]] | None) -> str:
+#: A tool choice as the engine carries it once `build_request` has read it: "auto" | "none" | "required" |
+#: a tool name. Everything downstream (templates, grammar, reply reader) takes this value as it is.
+ToolChoice = str
+
+
+def normalize_tool_choice(choice: Any, tools: Sequence[Mapping[str, Any]] | None) -> ToolChoice:
     """ "auto" | "none" | "required" | a tool name, from the forms callers use: None, True/False, "any"
-    (LangChain, Anthropic), {"type": "function", "function": {"name": ...}} (OpenAI) or {"name": ...}."""
+    (LangChain, Anthropic), {"type": "function", "function": {"name": ...}} (OpenAI) or {"name": ...}.
+    The one place a caller's tool choice is read (`build_request` calls it; a door may call it early to
+    fail at bind time)."""
     if choice is None or choice is False:
         return "auto"
     if choice is True or choice == "any":
@@ -89,11 +96,10 @@ def normalize_tool_choice(choice: Any, tools: Sequence[Mapping[str, Any]] | None
     return choice
 
 
-def required_tool(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any) -> str | None:
+def required_tool(tools: Sequence[Mapping[str, Any]] | None, choice: ToolChoice) -> str | None:
     """The one tool the reply must call: the named one, or the only tool when any call is required."""
     if not tools:
         return None
-    choice = normalize_tool_choice(tool_choice, tools)
     if choice == "required":
         names = tool_names(tools)
         return names[0] if len(names) == 1 else None
@@ -101,15 +107,12 @@ def required_tool(tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any) -
 
 
 def with_tool_choice(
-    messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any
+    messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None, choice: ToolChoice
 ) -> tuple[list[dict[str, Any]], list[Mapping[str, Any]] | None]:
     """(messages, tools) for a request: "none" drops the tools; "required" or a name asks for the call in
     the system message. Measured on the demo models: a direct "must call" + "only the tool call" makes a
     0.5B model answer with the call instead of talking about it."""
-    if not tools:
-        return messages, None
-    choice = normalize_tool_choice(tool_choice, tools)
-    if choice == "none":
+    if not tools or choice == "none":
         return messages, None
     if choice == "auto":
         return messages, list(tools)
@@ -263,9 +266,11 @@ class ToolCallParse:
         return ToolCallParse(self.content, self.tool_calls[:1], [])
 
 
-def parse_tool_calls(text: str, tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any = None) -> ToolCallParse:
+def parse_tool_calls(
+    text: str, tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice = "auto"
+) -> ToolCallParse:
     """Split a reply into content and tool calls; without tools (or with tool_choice "none") it is all content."""
-    if not tools or normalize_tool_choice(tool_choice, tools) == "none":
+    if not tools or tool_choice == "none":
         return ToolCallParse(text)
     found = ToolCallParse("")
     if TOOL_CALL_OPEN in text:
@@ -526,10 +531,10 @@ class ToolCallHoldback:
         show(holdback.flush()); holdback.parsed.tool_calls
     """
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any = None) -> None:
+    def __init__(self, tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice = "auto") -> None:
         self.tools = list(tools or [])
         self.tool_choice = tool_choice
-        self._active = bool(self.tools) and normalize_tool_choice(tool_choice, self.tools) != "none"
+        self._active = bool(self.tools) and tool_choice != "none"
         self.text = ""
         self.shown = 0
         self.parsed: ToolCallParse | None = None  # set by flush()

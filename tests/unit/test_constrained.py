@@ -394,7 +394,7 @@ def test_tool_choice_auto_required_and_named(name):
     if name == QWEN:
         assert required.allowed()[d.vocab.id_of_bytes[b"<tool_call>"]], "Qwen's single <tool_call> token"
 
-    named = Constraint(Grammar.tool_calls(TOOLS, {"type": "function", "function": {"name": "search"}}), d)
+    named = Constraint(Grammar.tool_calls(TOOLS, "search"), d)
     assert not named.allows_text(call.encode()) and named.allows_text(search.encode())
     assert not named.allows_text(f"{search}\n{search}".encode()), "a named tool: exactly one call"
     named.consume(ids_of(name, '<tool_call>\n{"name": "'))

@@ -187,7 +187,7 @@ def test_holdback_never_shows_any_prefix_of_the_tag():
 
 
 def test_holdback_passes_everything_without_tools():
-    for tools, choice in ((None, None), (TOOLS, "none")):
+    for tools, choice in ((None, "auto"), (TOOLS, "none")):
         holdback = ToolCallHoldback(tools, choice)
         assert holdback.feed("<tool_call>{") == "<tool_call>{"
         assert holdback.flush() == "" and holdback.parsed.tool_calls == []
@@ -207,14 +207,14 @@ def test_normalize_tool_choice():
 
 def test_with_tool_choice():
     messages = [{"role": "user", "content": "2*3?"}]
-    assert with_tool_choice(messages, TOOLS, None) == (messages, TOOLS)
+    assert with_tool_choice(messages, TOOLS, "auto") == (messages, TOOLS)
     assert with_tool_choice(messages, TOOLS, "none") == (messages, None)
     forced, tools = with_tool_choice([{"role": "system", "content": "Be exact."}, *messages], TOOLS, "multiply")
     assert tools == TOOLS and forced[0] == {
         "role": "system",
         "content": 'Be exact.\n\nYou must call the tool "multiply". Reply with only the tool call, no other text.',
     }
-    anyone, _ = with_tool_choice(messages, TOOLS, "any")
+    anyone, _ = with_tool_choice(messages, TOOLS, "required")
     assert anyone[0]["content"].startswith("You must call one of the tools.") and anyone[1:] == messages
     single, _ = with_tool_choice(messages, TOOLS[:1], "required")
     assert 'call the tool "multiply"' in single[0]["content"]
