@@ -36,7 +36,7 @@ the work of one 2-thread process), each appending to its own part file OUT/TASK.
     python benchmarks/accuracy.py --threads 1 --configs "qwen alone" "smollm2 alone"
     python benchmarks/accuracy.py --threads 1 --configs UniTE+SAFE --jsonl benchmarks/results/gsm8k.safe.jsonl
 `--ids FILE` runs only the listed problems (issue 31 decodes only the answers loop steering can change).
-The report (and benchmarks/results/accuracy/summarize.py) reads TASK.jsonl and every part TASK.*.jsonl;
+The report (and benchmarks/accuracy_summarize.py) reads TASK.jsonl and every part TASK.*.jsonl;
 `--report-only` rewrites it (adding any --jsonl files kept elsewhere).
 """
 

@@ -10,7 +10,7 @@ ensemble did before and inside each loop.
         --out benchmarks/results/accuracy/loop_replay/alone.jsonl           # whose loop is it?
     python benchmarks/loop_replay.py verifier gsm8k/81                      # the verifier's rows, checked
 
-`replay` decodes, for each task and row, the problems whose study answer loops (`summarize.loops`) with the
+`replay` decodes, for each task and row, the problems whose study answer loops (`accuracy_summarize.loops`) with the
 study's prompts, members, budgets and batching (8 at once), greedy, and appends one JSON line per answer:
 the text, whether it equals the study's (`token_healing=False` is the study's engine: it must), the finish
 reason and the trace. Resumable: answers already in OUT are skipped. `analyze` prints, over those records:
@@ -41,11 +41,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 STUDY = HERE / "results" / "accuracy"
-sys.path.insert(0, str(STUDY))
+sys.path.insert(0, str(HERE))
 
 from accuracy import MAX_NEW_TOKENS, load_problems, member  # noqa: E402
-from loops import looping, records  # noqa: E402
-from summarize import loops  # noqa: E402
+from accuracy_loops import looping, records  # noqa: E402
+from accuracy_summarize import loops  # noqa: E402
 
 TASKS = ("mmlu-redux", "arc", "gsm8k")
 AGGREGATION = {"UniTE+SAFE": "unite", "GaC+SAFE": "gac"}

@@ -71,7 +71,7 @@ def test_every_row_of_the_study_runs_resumes_and_is_summarised(tmp_path: Path) -
     study(tmp_path, *base, "--report-only")
     assert "| GaC+SAFE" in (tmp_path / "mmlu-redux" / "results.md").read_text(encoding="utf-8")
 
-    study(tmp_path, "benchmarks/results/accuracy/summarize.py", str(tmp_path))
+    study(tmp_path, "benchmarks/accuracy_summarize.py", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["mmlu-redux"]
     core = {"qwen alone", "smollm2 alone", "gemma alone", "UniTE every token", "UniTE+SAFE", "GaC+SAFE"}
     core |= {"UniTE+SAFE (3 models)"}

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def summarize() -> Any:
-    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks/results/accuracy/summarize.py")
+    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks/accuracy_summarize.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

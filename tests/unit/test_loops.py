@@ -75,7 +75,7 @@ def fires_anywhere(text: str, span: int = 32, repeats: int = 3) -> bool:
 
 
 def study_loops(record: dict) -> bool:
-    """The study's own looping criterion (benchmarks/results/accuracy/summarize.py `loops`)."""
+    """The study's own looping criterion (benchmarks/accuracy_summarize.py `loops`)."""
     text = record["text"]
     return record["finish_reason"] == "length" and len(text) >= 40 and text[-1500:].count(text[-40:]) >= 3
 

@@ -1,6 +1,6 @@
 """Loops before and after issue 31: writes loops.md and loops.json next to this file.
 
-    python benchmarks/results/accuracy/loops.py
+    python benchmarks/accuracy_loops.py
 
 "Before" is the study's records in this folder (the engine of issue 17: the drafter handed the pick's own token).
 "After" is `rerun-31/`: the same harness, problems and budgets with the engine that heals the handover
@@ -10,15 +10,14 @@ the rest are the healed ones. `copies-31/` holds the rule the engine has: go bac
 two copies of a loop, digits counting as equal. `digits-31/` went back only to a replacement inside the last copy,
 `back-31/` did so with exact copies, `steer-31/` kept the drafter's token only at a pick that itself completed the
 second copy (all three earlier engines).
-Per task and row, on the
-problems both runs of that row and the drafter alone answered: the share of answers cut in a loop
-(`summarize.loops`), accuracy, and the paired comparison with the drafter alone (difference with a paired bootstrap
-interval, McNemar's exact p). "Lost to loops" counts the problems the drafter alone solved where the row's answer
-loops; "shared" the row's loops on problems where the drafter alone loops too. The target of issue 31 is in loops: a
-pair within one problem of the drafter alone, three members no more than their loopiest-but-one member (SmolLM2
-alone; gemma alone loops on most answers). The loop guard's rows are exact replays of the same records: a greedy
-answer with the guard on is the answer without it, ended at the first token where the guard fires (`guarded`), so it
-needs no run; its accuracy is the truncated text scored again."""
+Per task and row, on the problems both runs of that row and the drafter alone answered: the share of answers cut in a
+loop (`accuracy_summarize.loops`), accuracy, and the paired comparison with the drafter alone (difference with a
+paired bootstrap interval, McNemar's exact p). "Lost to loops" counts the problems the drafter alone solved where the
+row's answer loops; "shared" the row's loops on problems where the drafter alone loops too. The target of issue 31 is
+in loops: a pair within one problem of the drafter alone, three members no more than their loopiest-but-one member
+(SmolLM2 alone; gemma alone loops on most answers). The loop guard's rows are exact replays of the same records: a
+greedy answer with the guard on is the answer without it, ended at the first token where the guard fires (`guarded`),
+so it needs no run; its accuracy is the truncated text scored again."""
 
 from __future__ import annotations
 
@@ -28,11 +27,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+HERE = Path(__file__).resolve().parent / "results" / "accuracy"  # the study's records
+sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parents[2]))
 
-from summarize import loops  # noqa: E402
+from accuracy_summarize import loops  # noqa: E402
 
 from safe_engine.algorithm.text import DIGITS_AS_ZERO, ends_in_loop  # noqa: E402
 from safe_engine.eval import bootstrap_difference, load_task, mcnemar, score  # noqa: E402
@@ -183,7 +182,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "# Loops before and after token healing (issue 31)",
         "",
-        "Written by `python benchmarks/results/accuracy/loops.py`. Loops: answers cut at the budget whose last "
+        "Written by `python benchmarks/accuracy_loops.py`. Loops: answers cut at the budget whose last "
         "40 characters occur 3+ times in their last 1,500 (the study's criterion). Guard: `loop_guard=3, "
         "loop_span=32` applied to the same answers (exact for greedy decoding: see the script). Δ: row − drafter "
         "alone (qwen), points, with the paired 95 % bootstrap interval and McNemar's exact p. Target: issue 31's "

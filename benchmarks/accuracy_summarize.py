@@ -1,6 +1,6 @@
 """The accuracy study's tables and figure: writes summary.md, summary.json and study.png next to this file.
 
-    python benchmarks/results/accuracy/summarize.py [FOLDER]   # default: this file's folder
+    python benchmarks/accuracy_summarize.py [FOLDER]   # default: this file's folder
 
 Reads every task's records (TASK.jsonl and the parts TASK.*.jsonl that other processes appended to; a
 (row, problem) pair recorded twice keeps its last record). Per task:
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[2] / "benchmarks"))
+HERE = Path(__file__).resolve().parent / "results" / "accuracy"  # the study's records
+sys.path.insert(0, str(HERE.parents[1]))
 
 from accuracy import task_files, write_timings  # noqa: E402
 
@@ -292,7 +292,7 @@ def main(folder: Path = HERE) -> None:
     lines = [
         "# Accuracy study: the members alone, every-token and SAFE ensembles",
         "",
-        "Written by `python benchmarks/results/accuracy/summarize.py` from the JSONL files here; commands, "
+        "Written by `python benchmarks/accuracy_summarize.py` from the JSONL files here; commands, "
         "problems and budgets in README.md. Greedy decoding; all rows batched (tokens/s is a batch's "
         "throughput shared over its problems: members 16 per transformers `generate` call, ensembles 8 at once "
         "through the engine's continuous batching (the first mmlu-redux ensemble problems in batches of 8 that "

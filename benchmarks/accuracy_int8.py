@@ -1,7 +1,7 @@
 """The int8 pair against the float32 pair on the same MMLU-redux problems (issue 30): accuracy of each, the
 paired difference with its bootstrap interval, McNemar's exact test, answers cut in a loop, CPU time.
 
-    python benchmarks/results/accuracy/int8_vs_float.py > benchmarks/results/accuracy/int8_vs_float.json
+    python benchmarks/accuracy_int8.py > benchmarks/results/accuracy/int8_vs_float.json
 
 Both rows are UniTE+SAFE over Qwen2.5-Coder-0.5B + SmolLM2-135M with token healing, one torch thread: the
 float32 row from the issue-31 re-run (`rerun-31/mmlu-redux.jsonl`), the int8 row from `int8/mmlu-redux.jsonl`.
@@ -13,12 +13,12 @@ import json
 import sys
 from pathlib import Path
 
-from summarize import loops
+from accuracy_summarize import loops
 
 from safe_engine.eval.runner import load_records
 from safe_engine.eval.significance import bootstrap_difference, mcnemar
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parent / "results" / "accuracy"  # the study's records
 FLOAT = (HERE / "rerun-31" / "mmlu-redux.jsonl", "UniTE+SAFE")
 INT8 = (HERE / "int8" / "mmlu-redux.jsonl", "UniTE+SAFE, int8 members")
 
