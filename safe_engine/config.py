@@ -18,6 +18,20 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns a member's logits into its next-token distribution. Read off the request's
+    `GenerationConfig` (where `build_request` resolved "greedy unless a temperature is given") and carried
+    as it is to every member: local rows, llama.cpp rows and Ray actors."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
     """How to decode. Defaults follow the SAFE paper (n = 5, k = 10, λ = 0.1, greedy)."""
 
@@ -243,6 +257,11 @@ class GenerationConfig:
         if self.gates is not None:
             return self.gates
         return GATES if self.method == "safe" else ()
+
+    @property
+    def sampling(self) -> SamplingParams:
+        """The fields that shape a row's distribution (temperature and top-p apply only when sampling)."""
+        return SamplingParams(bool(self.do_sample), float(self.temperature), float(self.top_p))
 
     def updated(self, **overrides: Any) -> GenerationConfig:
         """A copy with some fields replaced; unknown names are an error, not silently ignored."""

@@ -153,8 +153,7 @@ class Member:
                     config.repetition_penalty,
                     job.logit_bias,
                 )
-            sampling = (config.do_sample, config.temperature, config.top_p)
-            out.append([LocalRow(row, sampling) for row in rows])
+            out.append([LocalRow(row, config.sampling) for row in rows])
         return out
 
     def forward_many(self, jobs: Sequence[Job]) -> list[torch.Tensor]:

@@ -15,6 +15,8 @@ from typing import Protocol
 
 import torch
 
+from ..config import GREEDY, SamplingParams
+
 TOP_P_PROBE = 1024  # top-p first looks for its cut among this many best tokens (a full sort is the fallback)
 
 
@@ -99,7 +101,7 @@ class LocalRow:
 
     __slots__ = ("_logits", "_sampling", "_values")
 
-    def __init__(self, logits: torch.Tensor, sampling: tuple[bool, float, float] = (False, 1.0, 1.0)) -> None:
+    def __init__(self, logits: torch.Tensor, sampling: SamplingParams = GREEDY) -> None:
         self._logits = logits
         self._sampling = sampling
         self._values: torch.Tensor | None = None
@@ -113,7 +115,8 @@ class LocalRow:
     def values(self) -> torch.Tensor:
         """Log-probabilities of the whole vocabulary (on the member's device)."""
         if self._values is None:
-            self._values = next_token_logprobs(self._logits, *self._sampling)
+            s = self._sampling
+            self._values = next_token_logprobs(self._logits, s.do_sample, s.temperature, s.top_p)
         return self._values
 
     def logprob(self, ids: Sequence[int]) -> torch.Tensor:

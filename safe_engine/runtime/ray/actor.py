@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from ...config import GenerationConfig
+from ...config import GenerationConfig, SamplingParams
 from ..members import Job, Member, ModelSpec, load_member
 from ..rows import race_sample
 
 
 # -- inside the actor -------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _scoring_config(sampling: SamplingParams) -> GenerationConfig:
+    """A job's config as the local member's `score_many` reads it here: the request's sampling (a Ray
+    member refuses penalties and logit bias, so nothing else of the request's config reaches the actor)."""
+    return GenerationConfig(do_sample=sampling.do_sample, temperature=sampling.temperature, top_p=sampling.top_p)
+
+
 class _Request:
     __slots__ = ("cache", "calls")
 
@@ -69,7 +76,7 @@ class MemberActor:
 
     # -- per request --------------------------------------------------------------------------------
     def score_many(
-        self, jobs: list[tuple[str, int, list[int], int, tuple[bool, float, float], int, int]]
+        self, jobs: list[tuple[str, int, list[int], int, SamplingParams, int, int]]
     ) -> tuple[list[tuple[int, list[tuple[list[int], list[float], int, dict[int, float]]]]], float]:
         """`Member.score_many` over several requests' caches in one forward. A job is (request, start, ids,
         keep, sampling, top_k, retain); per job: its call id and, per kept row, top-k ids + log-probs, argmax,
@@ -78,13 +85,11 @@ class MemberActor:
         started = time.perf_counter()
         member = self._member()
         work = []
-        for request, start, ids, keep, (do_sample, temperature, top_p), _, _ in jobs:
+        for request, start, ids, keep, sampling, _, _ in jobs:
             req = self.requests.get(request)
             if req is None:
                 req = self.requests[request] = _Request(member.new_cache())
-            # The local member's `score_many` reads only these three fields of a job's config.
-            config = cast(GenerationConfig, SimpleNamespace(do_sample=do_sample, temperature=temperature, top_p=top_p))
-            work.append(Job(req.cache, start, ids, keep, config))
+            work.append(Job(req.cache, start, ids, keep, _scoring_config(sampling)))
         answers = []
         for (request, _, ids, keep, _, top_k, retain), rows in zip(jobs, member.score_many(work)):
             answers.append(self._answer(self.requests[request], ids, keep, top_k, retain, rows))

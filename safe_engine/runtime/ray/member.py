@@ -183,7 +183,7 @@ class RayMember(Member):
                     int(job.start),
                     list(job.ids),
                     int(job.keep),
-                    (bool(config.do_sample), float(config.temperature), float(config.top_p)),
+                    config.sampling,
                     max(config.top_k, MIN_TOP_K),
                     2 * config.draft_length + 2,  # an overlapped chunk (<= draft_length) beside the carried one
                 )
