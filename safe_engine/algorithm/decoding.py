@@ -25,22 +25,19 @@ On the CPU, `runtime.placement` says how many threads each kind of forward gets 
 from __future__ import annotations
 
 import codecs
-import contextlib
 import itertools
-import statistics
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 
-from ..errors import ConfigError, GenerationTimeout, InputError, MemberError, SafeEngineError
+from ..errors import ConfigError, GenerationTimeout, InputError, drop_frame_locals
 from ..runtime.members import Job, Member, Track
-from ..runtime.placement import Placement, use_threads
+from ..runtime.placement import Placement
 from ..runtime.rows import Draws, LocalRow, Row, race_sample
 from ..shaping.constrained import Constraint
 from ..shaping.request import Request
@@ -88,6 +85,19 @@ class Point(NamedTuple):
     steered: bool
 
 
+class Gauge(Protocol):
+    """The engine's schedule gauge (`engine.gauge.ScheduleGauge`), as a request's rounds use it: which schedule
+    to run, the overlap chunk, and each round's timing."""
+
+    chunk: int
+
+    def choose(self) -> str: ...
+
+    def record(self, schedule: str, seconds: float, tokens: int) -> None: ...
+
+    def record_chunk(self, ratio: float, limit: int) -> None: ...
+
+
 @dataclass
 class Lineup:
     """The ensemble as one request's decoding sees it: the members, their names and weights, the drafter's
@@ -100,7 +110,7 @@ class Lineup:
     weights: torch.Tensor
     executor: Executor | None = None  # runs forwards of different members at once (overlap, devices)
     parallel_members: bool = False  # the verifiers sit on different devices: score them concurrently
-    schedule_gauge: ScheduleGauge | None = None  # given when a free core or device exists (schedule="auto")
+    schedule_gauge: Gauge | None = None  # given when a free core or device exists (schedule="auto")
     union: Callable[[], UnionVocab] | None = None  # GaC's union vocabulary of the members
     placement: Placement | None = None  # threads per kind of forward, for members on the CPU
 
@@ -203,14 +213,7 @@ class Generation:
     def text(self) -> str:
         return self.buffer.text
 
-    # -- the round, phase by phase (run_round batches each phase over many requests) -------------------
-    def step(self) -> bool:
-        """Run one draft → verify → scan round for this request alone; True once it has finished."""
-        run_round([self])
-        if self.error is not None:
-            raise self.error
-        return self.finished
-
+    # -- the round, phase by phase (engine.rounds.run_round batches each phase over many requests) --------
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -675,7 +678,7 @@ class Generation:
         """The request cannot go on: keep why (raised to its caller) and free its caches."""
         if self.error is None and not self.finished:
             self.error = err
-            _drop_frame_locals(err)
+            drop_frame_locals(err)
         self._cancelled = True
         self._release()  # called by whoever runs the round, so no round of this request is in progress
 
@@ -718,252 +721,3 @@ class Generation:
                 decoded = codecs.getincrementaldecoder("utf-8")("replace").decode(bytes(self.buffer.data[:revisable]))
                 text = text[: len(decoded)]
         return text
-
-
-def run_round(gens: Sequence[Generation]) -> None:
-    """One draft → verify → scan round of every request, batched phase by phase: each drafting step is one
-    forward of the drafter over all requests still drafting, each verifier scores all requests' drafts in
-    one forward, then every request scans and accepts on its own. A batch of one is a request alone.
-
-    Failures are the requests' own: one that cannot go on keeps its error in `error` and frees its caches;
-    the others continue. A failed forward fails every request of the batch."""
-    with contextlib.ExitStack() as held:
-        for gen in gens:
-            held.enter_context(gen._busy)  # cancel() from another thread waits for the round to end
-        try:
-            _run_round(gens)
-        finally:  # `_run_round`'s frame, now finished, holds the round's jobs: the failed ones' errors keep it
-            for gen in gens:
-                if gen.error is not None:
-                    _drop_frame_locals(gen.error)
-
-
-def _run_round(gens: Sequence[Generation]) -> None:
-    lone = gens[0] if len(gens) == 1 else None  # with many live requests, batching comes first
-    overlap = lone is not None and lone.can_overlap
-    placement = gens[0].placement
-    if placement is not None:  # beside the verifiers, alone (rounds, single), or a batch's phases: each its count
-        count = placement.batch if lone is None else placement.drafter if overlap else placement.alone
-        use_threads(count, placement.process)
-    started, rounds = time.perf_counter(), gens[0].stats.rounds
-    ahead = gens[0].stats.tokens + len(gens[0].pending)  # accepted + drafted ahead (carried into the round)
-    live = []
-    for gen in gens:
-        try:
-            gen.begin_round(overlap, batched=lone is None)
-            live.append(gen)
-        except Exception as err:  # this request alone (timed out, cancelled, finished)
-            gen.fail(err)
-    try:
-        if overlap and live:
-            _overlapped(live[0])
-        else:
-            drafting = [g for g in live if g.drafting]
-            while drafting:
-                for gen, rows in zip(drafting, _score_all([(g.drafter, g.draft_job()) for g in drafting])):
-                    gen.take_draft(rows)
-                drafting = [g for g in drafting if g.drafting]
-            checks = [c for g in live for c in g.verify() if c.job is not None]
-            work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
-            for check, rows in zip(checks, _verify(work, live)):
-                check.take(rows)
-        for gen in live:
-            gen.end_round()
-    except Exception as err:  # a forward failed: every request of the batch fails with it
-        for gen in live:
-            gen.fail(err)
-    except BaseException as err:  # KeyboardInterrupt and the like: free everything, then let it through
-        for gen in live:
-            gen.fail(err)
-        raise
-    gauge = lone.schedule_gauge if lone is not None else None
-    if gauge is not None and lone is not None and lone.error is None and rounds > 0:  # not the prompt's round
-        # the round's progress: tokens accepted plus those carried ahead, less those it was handed (an overlapped
-        # round accepts what the round before drafted; a replacement drops what was drafted past it)
-        progress = lone.stats.tokens + len(lone.pending) - ahead
-        if progress >= 0:  # loop steering may have taken tokens back: a round that times neither schedule
-            gauge.record("overlap" if overlap else "rounds", time.perf_counter() - started, progress)
-
-
-def _verify(work: Sequence[tuple[Track, Job]], live: Sequence[Generation]) -> list[list[Row]]:
-    """The verifiers' rows in a round without overlap. A lone request on the CPU scores them on the drafter's
-    thread, after its drafting, with the count measured fastest for them (`Placement.verifying`): one phase
-    after another, with no hand-over to another thread and its own thread team."""
-    placement = live[0].placement if live else None
-    if len(live) == 1 and placement is not None and work:
-        use_threads(placement.verifying, placement.process)
-    return _score_all(work, _executor(live))
-
-
-def _on_verifier_threads(placement: Placement | None, fn: Any, *args: Any) -> Any:
-    """`fn(*args)` with the verifiers' thread count beside the drafter, where the engine places threads."""
-    if placement is not None:
-        use_threads(placement.verifiers, placement.process)
-    return fn(*args)
-
-
-def _overlapped(gen: Generation) -> None:
-    """The drafter's next chunk and the verifiers' pass over the text before it, at the same time; both are
-    timed for the schedule gauge."""
-    executor = gen.executor
-    assert executor is not None, "the overlap schedule needs the lineup's executor (see Generation.can_overlap)"
-    checks = [c for c in gen.verify() if c.job is not None]
-    work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
-    reads_prompt = any(c.track.passes == 0 for c in checks)  # a verifier's first pass: the prompt too
-    verifying = executor.submit(_timed, _on_verifier_threads, gen.placement, _score_all, work) if checks else None
-    drafter_s = 0.0
-    try:
-        while gen.drafting:
-            drafted, seconds = _timed(_score_all, [(gen.drafter, gen.draft_job())])
-            gen.take_draft(drafted[0])
-            drafter_s += seconds
-    finally:
-        rows, verifiers_s = verifying.result() if verifying is not None else ([], None)  # never leave one running
-    for check, check_rows in zip(checks, rows):
-        check.take(check_rows)
-    if gen.schedule_gauge is not None and drafter_s and verifiers_s is not None and not reads_prompt:
-        gen.schedule_gauge.record_chunk(verifiers_s / drafter_s, gen.config.draft_length)
-
-
-class ScheduleGauge:
-    """Which schedule serves a lone request faster on this machine now, and how many tokens an overlapped
-    round drafts; measured on the requests' own rounds and shared by an ensemble's requests.
-
-    Overlap hides the verifiers' pass behind the drafter's steps only while the pass ends first and the two
-    forwards do not slow each other down. A busy neighbour core breaks that (measured on the demo pair: 0.63
-    of the drafter alone overlapped vs 0.77 in rounds), and so does a verifier set whose one-token pass
-    outlasts a drafter step (Qwen-0.5B drafting for SmolLM2-135M + gemma-3-270m: 0.41 vs 0.56). So:
-
-    - the gauge times both schedules, in seconds per token of progress (accepted, plus drafted ahead and
-      carried, less what the round was handed) over `WINDOW` tokens each, in alternating blocks of `BLOCK`
-      tokens, so that both see nearby stretches of text: how often the ensemble replaces a token changes
-      along an answer, and a replacement costs rounds more than overlap. A request's first round (its
-      prompt's) and the first round after a switch are not timed. Then it runs the faster one and times
-      both again after every `REPROBE` tokens, because the machine's load changes;
-    - an overlapped round drafts a chunk of `chunk` tokens, grown by one while the verifiers' pass over a
-      chunk outlasts the drafter's steps (median of `CHUNK_SAMPLES` rounds): a k-token pass costs little
-      more than a one-token pass, so a chunk lets two verifiers keep up with one drafter. A grown chunk is
-      timed afresh (its cost per token is not the smaller one's).
-
-    The greedy text does not depend on any of this (every schedule judges each position on the same text).
-    """
-
-    SCHEDULES = ("overlap", "rounds")
-    WINDOW = 16
-    BLOCK = 8
-    REPROBE = 512
-    CHUNK_SAMPLES = 4
-    MAX_CHUNK = 8
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.seconds_per_token: dict[str, float] = {}  # each schedule's last timed window
-        self.chunk = 1
-        self._ratios: list[float] = []
-        self._last: str | None = None  # the schedule of the last round recorded
-        self._start_timing()
-
-    def _start_timing(self) -> None:
-        self._window = {s: (0.0, 0) for s in self.SCHEDULES}  # (seconds, tokens) timed in this window
-        self._timing = True
-        self._block, self._block_tokens = "overlap", 0  # the schedule timed now, and its tokens so far
-        self._since = 0  # tokens decoded since both were last timed
-
-    def choose(self) -> str:
-        """The schedule of a lone request's next round."""
-        with self._lock:
-            if self._timing:
-                return self._block
-            return min(self.SCHEDULES, key=self.seconds_per_token.__getitem__)
-
-    def record(self, schedule: str, seconds: float, tokens: int) -> None:
-        """One lone request's round: its schedule, wall time and progress in tokens. The first round after a
-        switch is not timed: it inherits the other schedule's work (rounds verify what overlap drafted
-        ahead; overlap's first round drafts with nothing to verify)."""
-        with self._lock:
-            switched, self._last = schedule != self._last, schedule
-            if not self._timing:
-                self._since += tokens
-                if self._since >= self.REPROBE:
-                    self._start_timing()
-                return
-            if switched:
-                return
-            spent, counted = self._window[schedule]
-            self._window[schedule] = (spent + seconds, counted + tokens)
-            if all(counted >= self.WINDOW for _, counted in self._window.values()):
-                self.seconds_per_token = {s: spent / counted for s, (spent, counted) in self._window.items()}
-                self._timing, self._since = False, 0
-                return
-            if schedule == self._block:
-                self._block_tokens += tokens
-                other = self.SCHEDULES[1 - self.SCHEDULES.index(schedule)]
-                if self._block_tokens >= self.BLOCK and self._window[other][1] < self.WINDOW:
-                    self._block, self._block_tokens = other, 0
-
-    def record_chunk(self, ratio: float, limit: int = MAX_CHUNK) -> None:
-        """One overlapped round: the verifiers' pass time over the drafter's steps beside it (`limit`: the
-        request's draft_length, the largest chunk it drafts)."""
-        with self._lock:
-            self._ratios.append(ratio)
-            if len(self._ratios) < self.CHUNK_SAMPLES:
-                return
-            if statistics.median(self._ratios) > 1.0 and self.chunk < min(self.MAX_CHUNK, limit):
-                self.chunk += 1
-                self._start_timing()  # overlap's timing so far was of smaller chunks
-            self._ratios.clear()
-
-
-def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - start
-
-
-def _executor(gens: Sequence[Generation]) -> Executor | None:
-    return gens[0].executor if gens and gens[0].parallel_members else None
-
-
-def _score_all(work: Sequence[tuple[Track, Job]], executor: Executor | None = None) -> list[list[Row]]:
-    """Rows for each (track, job), one `score_many` per member (members on different devices at once)."""
-    by_member: dict[int, list[tuple[Track, Job]]] = {}
-    for track, job in work:
-        by_member.setdefault(id(track.member), []).append((track, job))
-    groups = list(by_member.values())
-    if executor is not None and len(groups) > 1:
-        scored = [future.result() for future in [executor.submit(_score_group, g) for g in groups]]
-    else:
-        scored = [_score_group(g) for g in groups]
-    rows_of = {id(job): rows for group, group_rows in zip(groups, scored) for (_, job), rows in zip(group, group_rows)}
-    return [rows_of[id(job)] for _, job in work]
-
-
-def _score_group(group: list[tuple[Track, Job]]) -> list[list[Row]]:
-    """One member's `score_many` over its jobs; a failure is that member's, for every job of the batch.
-
-    A plain function, not a closure: a failed call's frames (kept by the error) hold the jobs only in
-    locals, which `_drop_frame_locals` clears (a frame keeps its function, and a closure its cells)."""
-    track = group[0][0]
-    try:
-        return track.member.score_many([job for _, job in group])
-    except SafeEngineError:
-        raise
-    except Exception as err:  # out of memory, a CUDA error, a broken model: it fails the whole batch
-        raise MemberError(
-            f"member {track.name!r} failed in a forward pass over {len(group)} request(s): {type(err).__name__}: {err}",
-            member=track.name,
-        ) from err
-
-
-def _drop_frame_locals(err: BaseException) -> None:
-    """Clear the locals of the finished frames in `err`'s traceback (and its causes'), keeping the lines.
-
-    Why: a request keeps its error until its reader is done with it, and the frames of a failed forward
-    hold the batch's jobs and KV caches; the request's memory must go when it fails, not when the error does.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)  # frames still running (this one's callers) are skipped
-        current = current.__cause__ or current.__context__
