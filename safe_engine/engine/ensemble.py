@@ -13,7 +13,8 @@ from typing import Any, cast
 import torch
 
 from ..algorithm.aggregation import UnionVocab
-from ..algorithm.decoding import Generation, Lineup
+from ..algorithm.decoding import Generation
+from ..algorithm.lineup import Lineup
 from ..errors import ConfigError, InputError, InputTypeError
 from ..runtime.llamacpp import load_llamacpp_member, local_runtime
 from ..runtime.members import Member, ModelSpec, check_device, load_member, resolve_spec, unique_names

@@ -14,6 +14,7 @@ from concurrent.futures import Executor
 from typing import Any, cast
 
 from ..algorithm.decoding import Generation
+from ..algorithm.round import Round
 from ..errors import MemberError, SafeEngineError, drop_frame_locals
 from ..runtime.members import Job, Track
 from ..runtime.placement import Placement, use_threads
@@ -47,33 +48,32 @@ def _run_round(gens: Sequence[Generation]) -> None:
         use_threads(count, placement.process)
     started, rounds = time.perf_counter(), gens[0].stats.rounds
     ahead = gens[0].stats.tokens + len(gens[0].pending)  # accepted + drafted ahead (carried into the round)
-    live = []
+    live: list[tuple[Generation, Round]] = []  # each request with its round
     for gen in gens:
         try:
-            gen.begin_round(overlap, batched=lone is None)
-            live.append(gen)
+            live.append((gen, gen.begin_round(overlap, batched=lone is None)))
         except Exception as err:  # this request alone (timed out, cancelled, finished)
             gen.fail(err)
     try:
         if overlap and live:
-            _overlapped(live[0])
+            _overlapped(*live[0])
         else:
-            drafting = [g for g in live if g.drafting]
+            drafting = [(g, r) for g, r in live if r.drafting]
             while drafting:
-                for gen, rows in zip(drafting, _score_all([(g.drafter, g.draft_job()) for g in drafting])):
-                    gen.take_draft(rows)
-                drafting = [g for g in drafting if g.drafting]
-            checks = [c for g in live for c in g.verify() if c.job is not None]
+                for (gen, rnd), rows in zip(drafting, _score_all([(g.drafter, g.draft_job()) for g, _ in drafting])):
+                    gen.take_draft(rnd, rows)
+                drafting = [(g, r) for g, r in drafting if r.drafting]
+            checks = [c for g, r in live for c in g.verify(r) if c.job is not None]
             work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
-            for check, rows in zip(checks, _verify(work, live)):
+            for check, rows in zip(checks, _verify(work, [g for g, _ in live])):
                 check.take(rows)
-        for gen in live:
-            gen.end_round()
+        for gen, rnd in live:
+            gen.end_round(rnd)
     except Exception as err:  # a forward failed: every request of the batch fails with it
-        for gen in live:
+        for gen, _ in live:
             gen.fail(err)
     except BaseException as err:  # KeyboardInterrupt and the like: free everything, then let it through
-        for gen in live:
+        for gen, _ in live:
             gen.fail(err)
         raise
     gauge = lone.schedule_gauge if lone is not None else None
@@ -102,20 +102,20 @@ def _on_verifier_threads(placement: Placement | None, fn: Any, *args: Any) -> An
     return fn(*args)
 
 
-def _overlapped(gen: Generation) -> None:
+def _overlapped(gen: Generation, rnd: Round) -> None:
     """The drafter's next chunk and the verifiers' pass over the text before it, at the same time; both are
     timed for the schedule gauge."""
     executor = gen.executor
     assert executor is not None, "the overlap schedule needs the lineup's executor (see Generation.can_overlap)"
-    checks = [c for c in gen.verify() if c.job is not None]
+    checks = [c for c in gen.verify(rnd) if c.job is not None]
     work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
     reads_prompt = any(c.track.passes == 0 for c in checks)  # a verifier's first pass: the prompt too
     verifying = executor.submit(_timed, _on_verifier_threads, gen.placement, _score_all, work) if checks else None
     drafter_s = 0.0
     try:
-        while gen.drafting:
+        while rnd.drafting:
             drafted, seconds = _timed(_score_all, [(gen.drafter, gen.draft_job())])
-            gen.take_draft(drafted[0])
+            gen.take_draft(rnd, drafted[0])
             drafter_s += seconds
     finally:
         rows, verifiers_s = verifying.result() if verifying is not None else ([], None)  # never leave one running
