@@ -33,15 +33,22 @@ def worker(threads: int) -> None:
     from safe_engine.runtime.members import load_member
 
     last_position = {"n": 0}
-    scan_name = "_scan_phase" if hasattr(decoding.Generation, "_scan_phase") else "_scan"
-    scan = getattr(decoding.Generation, scan_name)
+    try:  # the scan of a round is `Scanner.scan(round, ...)`; older engines: `Generation._scan_phase(draft, ...)`
+        from safe_engine.algorithm.scan import Scanner
 
-    def counting_scan(self, draft, *args):
-        kept, replacement = scan(self, draft, *args)
+        owner, scan_name = Scanner, "scan"
+    except ImportError:
+        owner = decoding.Generation
+        scan_name = "_scan_phase" if hasattr(decoding.Generation, "_scan_phase") else "_scan"
+    scan = getattr(owner, scan_name)
+
+    def counting_scan(self, first, *args):
+        draft = getattr(first, "draft", first)  # a Round carries its draft
+        kept, replacement = scan(self, first, *args)
         last_position["n"] += replacement is not None and kept == len(draft) - 1
         return kept, replacement
 
-    setattr(decoding.Generation, scan_name, counting_scan)
+    setattr(owner, scan_name, counting_scan)
     ens = Ensemble([load_member("qwen2.5-coder-0.5b"), load_member("smollm2-135m")])
     ens.generate(PROMPT, max_new_tokens=2)  # warm-up
     for aggregation in ("unite", "gac"):

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from .algorithm.decoding import ScheduleGauge
 from .engine.ensemble import Ensemble
+from .engine.gauge import ScheduleGauge
 from .runtime.baseline import hf_generate
 from .runtime.members import Member, load_member
 from .runtime.placement import cpu_info, engine_thread, use_threads

@@ -6,6 +6,7 @@ code written against the builtins keeps working.
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 
@@ -74,3 +75,17 @@ def from_validation_error(owner: str, err: Any) -> SafeEngineError:
         return raised
     field = ".".join(str(part) for part in first.get("loc", ())) or "arguments"
     return ConfigError(f"{owner}: invalid {field}: {first.get('msg')} (got {first.get('input')!r})")
+
+
+def drop_frame_locals(err: BaseException) -> None:
+    """Clear the locals of the finished frames in `err`'s traceback (and its causes'), keeping the lines.
+
+    Why: a request keeps its error until its reader is done with it, and the frames of a failed forward
+    hold the batch's jobs and KV caches; the request's memory must go when it fails, not when the error does.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)  # frames still running (this one's callers) are skipped
+        current = current.__cause__ or current.__context__

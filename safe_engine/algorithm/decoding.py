@@ -1,6 +1,7 @@
 """The draft → verify loop shared by every strategy.
 
-One `Generation` is one request. Each round has three phases:
+One `Generation` is one request; each round is a `Round` value that `begin_round` makes, the phases fill in
+and `end_round` consumes (the engine runs the forwards: `engine.rounds.run_round`). It has three phases:
 1. **draft**: the drafter proposes up to n new tokens after those carried over from the last round
    (n = 1 when no gate runs: every-token ensembling; no verification at all for `single`);
 2. **verify**: each verifier re-tokenizes the text after its frozen prefix and scores it in one forward
@@ -24,89 +25,31 @@ On the CPU, `runtime.placement` says how many threads each kind of forward gets 
 
 from __future__ import annotations
 
-import codecs
-import contextlib
-import itertools
-import statistics
 import threading
 import time
-import traceback
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, cast
 
-import torch
-
-from ..errors import ConfigError, GenerationTimeout, InputError, MemberError, SafeEngineError
-from ..runtime.members import Job, Member, Track
-from ..runtime.placement import Placement, use_threads
-from ..runtime.rows import Draws, LocalRow, Row, race_sample
+from ..errors import GenerationTimeout, InputError, drop_frame_locals
+from ..runtime.members import Job, Track
+from ..runtime.rows import Draws, Row
 from ..shaping.constrained import Constraint
 from ..shaping.request import Request
-from ..stats import EnsemblePoint, EnsembleStats, GenerationResult, TokenLogprob
-from .aggregation import Pick, UnionVocab, eos_ids, token_string
+from ..stats import EnsemblePoint, EnsembleStats, GenerationResult
 from .alignment import Verification
-from .decision import Judge, Verdict
+from .decision import Judge
+from .drafting import UNSURE, Drafting
+from .handover import Handover
+from .lineup import Gauge, Lineup
 from .logprobs import Logprobs
-from .text import TextBuffer, ends_in_loop, loop_period
+from .round import Draft, Round
+from .scan import CARRY_LIMIT, Scanner, grammar_at
+from .steering import STEER_REACH, LoopSteering, Point
+from .text import TextBuffer, ends_in_loop
 
-CARRY_LIMIT = 3  # judge anyway once the carried-over tokens exceed this many drafts (a verifier token that
-# keeps growing, like a long run of "=", must not postpone the decision forever)
-UNSURE = 0.4  # a drafted token below this probability is a likely ensemble point (transformers' assistant default)
-STEER_REACH = 512  # bytes: loop steering goes back at most this far (the study's loops: periods of 4 to 265
-# characters), so a stream holds back at most this much text behind the decoding
-
-
-@dataclass
-class Draft:
-    """The drafter's tokens not yet accepted: carried over from the last round, then newly drafted."""
-
-    ids: list[int] = field(default_factory=list)
-    rows: list[Row] = field(default_factory=list)  # the drafter's distribution before each token
-    pieces: list[bytes] = field(default_factory=list)  # the bytes each token spells (b"" for control tokens)
-    final: bool = False  # no text can follow: EOS / control token drafted, budget or context reached
-    drawn: list[Row] = field(default_factory=list)  # what each token was drawn from: the row under the grammar
-
-    def cut(self, start: int, final: bool | None = None) -> Draft:
-        """The tokens from `start` on (carried into the next round)."""
-        return Draft(
-            self.ids[start:], self.rows[start:], self.pieces[start:], self.final if final is None else final,
-            self.drawn[start:],
-        )  # fmt: skip
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
-class Point(NamedTuple):
-    """A committed ensemble point, as loop steering needs it: where it is in the text and what it did."""
-
-    offset: int  # byte offset of its token in the generated text
-    token: int  # index of its token among the generated ones
-    replaced: bool
-    steered: bool
-
-
-@dataclass
-class Lineup:
-    """The ensemble as one request's decoding sees it: the members, their names and weights, the drafter's
-    index, and what the ensemble's requests share (a thread pool for forwards of different members at once,
-    the overlap gauge, GaC's union vocabulary, built on first use)."""
-
-    members: Sequence[Member]
-    names: Sequence[str]
-    drafter: int
-    weights: torch.Tensor
-    executor: Executor | None = None  # runs forwards of different members at once (overlap, devices)
-    parallel_members: bool = False  # the verifiers sit on different devices: score them concurrently
-    schedule_gauge: ScheduleGauge | None = None  # given when a free core or device exists (schedule="auto")
-    union: Callable[[], UnionVocab] | None = None  # GaC's union vocabulary of the members
-    placement: Placement | None = None  # threads per kind of forward, for members on the CPU
+__all__ = ["CARRY_LIMIT", "STEER_REACH", "UNSURE", "Draft", "Gauge", "Generation", "Lineup", "Point", "Round"]
 
 
 class Generation:
-    """One request decoded by the ensemble; `step()` runs one round and returns whether it finished."""
+    """One request decoded by the ensemble, one `Round` at a time (`engine.rounds.run_round` runs them)."""
 
     def __init__(self, lineup: Lineup, request: Request) -> None:
         """The request's strategy is resolved here, once; each active member tokenizes the request its own
@@ -119,66 +62,29 @@ class Generation:
         self.strategy = strategy = config.strategy(len(members))
         order = [drafter] + [i for i in range(len(members)) if i != drafter]
         active = order if strategy.ensembles else [drafter]
-        if strategy.full_vocabulary and any(getattr(members[i], "is_remote", False) for i in active):
-            raise ConfigError(
-                "aggregation='gac' needs every member's full next-token distribution, which never leaves a Ray "
-                "actor (GaC is local-only); use aggregation='unite' with Ray members"
-            )
-        self.constraint: Constraint | None = None
-        if request.grammar is not None:
-            if getattr(members[drafter], "is_remote", False):
-                raise ConfigError(
-                    "constrained output (tools, json_schema) masks the drafter's logits, which stay in its Ray "
-                    "actor; use a local drafter"
-                )
-            self.constraint = Constraint(request.grammar, members[drafter])
-        remote = [lineup.names[i] for i in active if getattr(members[i], "is_remote", False)]
-        if remote and config.penalized:
-            raise ConfigError(
-                f"penalties are applied to each member's logits, which stay in its Ray actor ({', '.join(remote)}); "
-                "use local members, or leave frequency_penalty / presence_penalty at 0 and repetition_penalty at 1"
-            )
-        if config.logit_bias and getattr(members[drafter], "is_remote", False):
-            raise ConfigError(
-                "logit_bias is added to the drafter's logits, which stay in its Ray actor; use a local drafter"
-            )
+        lineup.check(request, strategy, active)
+        self.constraint = None if request.grammar is None else Constraint(request.grammar, members[drafter])
         self.tracks = [Track(members[i], request.encode(members[i]), lineup.names[i]) for i in active]
         self.tracks[0].logit_bias = config.logit_bias  # the bias is in the drafter's token ids
         self.gates = strategy.gates
-        self.executor = lineup.executor
-        self.parallel_members = lineup.parallel_members
-        self.schedule_gauge = lineup.schedule_gauge
-        self.placement = lineup.placement
-        self.draft_length = config.draft_length  # adapted per round with `adaptive_draft`
+        self.executor, self.parallel_members = lineup.executor, lineup.parallel_members
+        self.schedule_gauge, self.placement = lineup.schedule_gauge, lineup.placement
         self.draws = Draws(config.seed)
         weights = lineup.weights[active] / lineup.weights[active].sum()
         union = lineup.union() if strategy.full_vocabulary and lineup.union is not None else None
         self.judge = Judge([t.member for t in self.tracks], weights, config, union, self.draws)
+        self.handover = Handover(self.drafter.member, config, strategy.aggregation, self.draws)
         self.stats = EnsembleStats(method=strategy.method, gates=strategy.labels, note=strategy.note)
         self.stats.prompt_tokens = {t.name: t.prompt_len for t in self.tracks}
         self.trace: list[EnsemblePoint] | None = [] if config.trace else None
-        # With logprobs: an entry per accepted token, the byte offset where each ends, and this round's
-        # decided positions (draft index -> the distribution, the chosen string) and the draft positions that a
-        # GaC pick of several ids covers
         self.logprobs = Logprobs(self.drafter.member, config.logprobs) if config.logprobs is not None else None
-        self._decided: dict[int, tuple[list[bytes], torch.Tensor, bytes]] = {}
-        self._covered: set[int] = set()
+        self.steering = LoopSteering(config)
+        self.scanner = Scanner(
+            config, self.gates, self.judge, self.handover, self.steering, self.constraint, config.trace
+        )
         self.buffer = TextBuffer(config.stop)
+        self.drafting = Drafting(config, self.tracks, self.gates, self.buffer, self.constraint, self.draws)
         self.pending = Draft()  # drafted tokens carried into the next round
-        self.draft = Draft()  # this round's tokens not accepted yet
-        self.checks: list[Verification] = []  # this round's verifications
-        self._to_draft = self._budget = 0
-        self._verified: int | None = 0  # drafted tokens the verifiers see this round (all of them, but in overlap)
-        # this round's ensemble points (committed on accept): position, byte offset, verdict, replaced, the bytes
-        # handed over, steered away from a repetition
-        self._points: list[tuple[int, int, Verdict, bool, bytes | None, bool]] = []
-        # loop steering: the committed ensemble points, the offsets where the drafter's token is to stand, and
-        # the offset before which steering no longer goes back (text before it may have been streamed)
-        self._committed: list[Point] = []
-        self._kept: set[int] = set()
-        self._settled = 0
-        self._cut_short = False  # this round's draft ended early at an unsure token
-        self._adaptive = config.adaptive_draft  # this round adapts its draft (never in a batch)
         self.error: BaseException | None = None  # why the request failed (it then holds no caches)
         self.finish_reason: str | None = None
         self._busy = threading.Lock()
@@ -203,14 +109,6 @@ class Generation:
     def text(self) -> str:
         return self.buffer.text
 
-    # -- the round, phase by phase (run_round batches each phase over many requests) -------------------
-    def step(self) -> bool:
-        """Run one draft → verify → scan round for this request alone; True once it has finished."""
-        run_round([self])
-        if self.error is not None:
-            raise self.error
-        return self.finished
-
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -224,10 +122,11 @@ class Generation:
         gauge = self.schedule_gauge
         return schedule == "overlap" or (gauge is not None and gauge.choose() == "overlap")
 
-    def begin_round(self, overlap: bool = False, batched: bool = False) -> None:
-        """Start a round: the carried tokens become the draft; up to n new ones follow (1 without gates; the
-        gauge's chunk in the overlap schedule, where the verifiers meanwhile score the carried ones). In a
-        batch (`batched`) the draft keeps the configured length: the batch drafts in lockstep, and one request
+    # -- one round: begin → draft (take_draft per token) → verify → end ---------------------------------
+    def begin_round(self, overlap: bool = False, batched: bool = False) -> Round:
+        """The round: the carried tokens are its draft; up to n new ones follow (1 without gates; the gauge's
+        chunk in the overlap schedule, where the verifiers meanwhile score the carried ones). In a batch
+        (`batched`) the draft keeps the configured length: the batch drafts in lockstep, and one request
         stopping early leaves the others' drafting steps part empty (8 GSM8K requests: 10.7 tok/s adaptive vs
         15.9 fixed)."""
         if self.finished:
@@ -241,81 +140,28 @@ class Generation:
                 f"the generation ran past timeout_s={timeout} s after {self.stats.tokens} tokens; "
                 "raise timeout_s or lower max_new_tokens"
             )
-        cfg = self.config
-        self.draft, self.pending = self.pending, Draft()
-        self._budget = cfg.max_new_tokens - self.stats.tokens
-        self._adaptive = cfg.adaptive_draft and not batched
-        if not self.gates:
-            n = 1
-        elif overlap:
-            n = min(self.schedule_gauge.chunk, cfg.draft_length) if self.schedule_gauge is not None else 1
-        else:
-            n = self.draft_length if self._adaptive else cfg.draft_length
-        self._to_draft = min(n, self._budget - len(self.draft))
-        self.checks = []
-        self.draft.final |= self._to_draft <= 0
-        self._verified = len(self.draft) if overlap and self._to_draft > 0 else None
-        self._cut_short = False
-
-    @property
-    def drafting(self) -> bool:
-        return self._to_draft > 0 and not self.draft.final
+        draft, self.pending = self.pending, Draft()
+        budget = self.config.max_new_tokens - self.stats.tokens
+        adaptive = self.config.adaptive_draft and not batched
+        to_draft = min(self.drafting.for_round(overlap, adaptive, self.schedule_gauge), budget - len(draft))
+        draft.final |= to_draft <= 0
+        return Round(draft, to_draft, budget, len(draft) if overlap and to_draft > 0 else None, adaptive)
 
     def draft_job(self) -> Job:
         """The drafter's next forward: its distribution after everything drafted so far."""
         return self.drafter.job(self.config)[0]
 
-    def take_draft(self, rows: list[Row]) -> None:
-        """The drafter's next token from its distribution (sampled, or its argmax)."""
-        drafter, draft = self.drafter, self.draft
-        drafter.done()
-        row = rows[-1]
-        # Under a grammar the token is drawn from the masked row (speculative sampling's q); the ensemble
-        # aggregates the unmasked one, like every verifier's, and restricts its candidates afterwards.
-        # (a grammar needs a local drafter, checked in __init__, so its rows are LocalRows)
-        drawn: Row = row if self.constraint is None else cast(LocalRow, row).masked(self.constraint.mask_logits)
-        position = self.stats.tokens + len(draft)
-        tok = drawn.sample(self.draws.key("draft", position)) if self.config.do_sample else drawn.argmax()
-        if self.constraint is not None:
-            self.constraint.consume([tok])
-        drafter.ids.append(tok)
-        piece = token_string(drafter.member, tok)
-        draft.ids.append(tok)
-        draft.rows.append(row)
-        draft.drawn.append(drawn)
-        draft.pieces.append(piece or b"")
-        self._to_draft -= 1
-        if not piece or drafter.full:  # EOS or another control token ends the draft
-            draft.final = True
-        draft.final |= len(draft) >= self._budget
-        if self._to_draft > 1 and self._verified is None and self._likely_ensemble_point(tok, row):
-            self._to_draft, self._cut_short = 1, True  # one token of look-ahead, then verify
+    def take_draft(self, rnd: Round, rows: list[Row]) -> None:
+        """The drafter's next token, from its distribution after the draft so far (`rows[-1]`)."""
+        self.drafting.take(rnd, rows[-1], self.stats.tokens)
 
-    def _likely_ensemble_point(self, tok: int, row: Row) -> bool:
-        """Whether drafting on past `tok` is likely wasted: the drafter is unsure of it and it starts where
-        every tokenizer has a boundary (only there can the ensemble replace it)."""
-        if not self._adaptive or float(row.logprob([tok]).exp()) >= UNSURE:
-            return False
-        if "boundary" not in self.gates:
-            return True
-        offset = len(self.buffer) + sum(len(p) for p in self.draft.pieces[:-1])
-        text = bytes(self.buffer.data) + b"".join(self.draft.pieces)
-        own = self.drafter.member.vocab.fingerprint
-        for t in self.verifiers:
-            if t.member.vocab.fingerprint == own:
-                continue
-            _, starts = t.member.vocab.encode(text[t.frozen_bytes :])
-            if offset - t.frozen_bytes not in starts:
-                return False
-        return True
-
-    def verify(self) -> list[Verification]:
+    def verify(self, rnd: Round) -> list[Verification]:
         """The verifiers' views of this round (their forwards are run by the caller: one job each).
 
         Nothing is verified for `single`, or where no drafted position can be an ensemble point whatever
         the verifiers say (GaC with a confident drafter everywhere). Without gates (every-token ensembling)
         a verifier reads only the accepted text, as it would generating alone; otherwise also the draft."""
-        draft = self.draft
+        draft = rnd.draft
         if not self.strategy.ensembles or all(self.judge.drafter_confident(row) for row in draft.rows):
             return []
         drafter = self.drafter
@@ -323,243 +169,68 @@ class Generation:
         generated = drafter.ids[drafter.prompt_len : drafter.prompt_len + self.stats.tokens]
         text = accepted
         if self.gates:
-            seen = len(draft) if self._verified is None else self._verified
+            seen = rnd.seen
             if seen == 0:
                 return []  # overlap: nothing drafted before this round's token yet
             text += b"".join(draft.pieces[:seen])
             generated += [t for t, piece in zip(draft.ids[:seen], draft.pieces[:seen]) if piece]  # control: no text
         own = drafter.member.vocab.fingerprint
-        self.checks = [
+        rnd.checks = [
             Verification(t, text, len(accepted), generated if t.member.vocab.fingerprint == own else None, self.config)
             for t in self.verifiers
         ]
-        return self.checks
+        return rnd.checks
 
-    def end_round(self) -> None:
+    def end_round(self, rnd: Round) -> None:
         """Scan the verified draft, accept what stands, crop caches; finish when the text is complete."""
-        draft, checks = self.draft, self.checks
-        seen = len(draft) if self._verified is None else self._verified
-        if not checks:  # nothing could be an ensemble point (single, a confident GaC drafter) or nothing seen yet
-            if seen < len(draft):  # overlap: the token drafted this round waits for the verifiers
-                self.pending = draft.cut(seen)
-            self._accept(draft, seen, None)
-        elif any(c.too_long for c in checks):
+        draft, checks = rnd.draft, rnd.checks
+        if any(c.too_long for c in checks):
             self._finish("length")
         else:
-            kept, replacement = self._scan_phase(draft, checks)
-            agreed = len(self.buffer) + sum(len(p) for p in draft.pieces[:kept])
-            for check in checks:
-                check.freeze(min(agreed, len(check.text)))
-            self._adapt(replacement)
-            self._accept(draft, kept, replacement)
-        self.checks = []
+            if not checks:  # nothing could be an ensemble point (single, a confident GaC drafter) or nothing seen
+                kept, replacement = rnd.seen, None
+                if kept < len(draft):  # overlap: the token drafted this round waits for the verifiers
+                    rnd.carry = draft.cut(kept)
+            else:
+                kept, replacement = self.scanner.scan(rnd, len(self.buffer), self.stats)
+                agreed = len(self.buffer) + sum(len(p) for p in draft.pieces[:kept])
+                for check in checks:
+                    check.freeze(min(agreed, len(check.text)))
+                self.drafting.adapt(rnd, replacement)
+            self.pending = rnd.carry
+            self._accept(rnd, kept, replacement)
         self.stats.rounds += 1
         self.stats.forward_passes = {t.name: t.passes for t in self.tracks}
         if self.finished or self._cancelled:
             self._release()
 
-    def _adapt(self, replacement: list[int] | None) -> None:
-        """Draft length follows the replacements: one shorter after one, one longer after a clean round."""
-        if not self._adaptive or self._verified is not None:
-            return
-        base = self.config.draft_length
-        if replacement is not None:
-            self.draft_length = max(2, self.draft_length - 1)
-        elif not self._cut_short:  # tokens carried into the next round are not a miss
-            self.draft_length = min(2 * base, self.draft_length + 1)
-
-    def _scan_phase(self, draft: Draft, checks: list[Verification]) -> tuple[int, list[int] | None]:
-        """How many drafted tokens are accepted, and the drafter ids replacing the next one (or None).
-
-        Tokens after the accepted ones stay in `self.pending` when their judgement is deferred (and, in the
-        overlap schedule, the token drafted while the verifiers ran)."""
-        seen = len(draft) if self._verified is None else self._verified
-        final = (draft.final and seen == len(draft)) or len(draft) > CARRY_LIMIT * self.config.draft_length
-        offset = len(self.buffer)
-        j = 0
-        while j < seen:
-            here = offset
-            offset += len(draft.pieces[j])
-            views = self._views(here, draft, j, checks, final)
-            if views is None:  # boundary gate: some tokenizer splits the text inside this token
-                j += 1
-                continue
-            rows, owns, cuts, aligned = views
-            constrain = None if self.constraint is None else (lambda j=j: self._grammar_at(j))
-            verdict = self.judge.judge(
-                here,
-                draft.ids[j],
-                [draft.rows[j], *rows],
-                owns,
-                cuts,
-                aligned,
-                constrain,
-                draft.drawn[j],
-                self.stats.tokens + j,
-            )
-            if verdict.deferred:
-                self.stats.deferred_positions += 1
-                self.pending = draft.cut(j)
-                return j, None
-            pick = verdict.pick
-            ids = None if pick is None else self._ids_of(pick, draft.drawn[j], self.stats.tokens + j)
-            replaced = ids is not None and ids != draft.ids[j : j + len(ids)]
-            steered = replaced and here in self._kept
-            if steered:  # the drafter's token stands, and so does its own distribution in the logprobs
-                ids, replaced = draft.ids[j : j + 1], False
-            elif verdict.decided_from is not None:
-                chosen = verdict.pick.text if verdict.pick is not None else draft.pieces[j]
-                self._decided[j] = (*verdict.decided_from, chosen)
-                if ids is not None and not replaced:
-                    self._covered.update(range(j + 1, j + len(ids)))
-            if verdict.ensembled:
-                handed = b"".join(self.drafter.member.token_bytes[t] or b"" for t in ids) if ids else None
-                self._points.append((j, here, verdict, replaced, handed, steered))
-            if replaced:
-                self.stats.discarded_draft_tokens += len(draft) - j - 1
-                return j, ids
-            self._constraint_at(len(draft))  # a look at position j rolled the grammar back: catch up
-            if ids is not None and len(ids) > 1:  # GaC's string is the draft's next tokens: skip past them
-                offset += sum(len(p) for p in draft.pieces[j + 1 : j + len(ids)])
-                j += len(ids) - 1
-            j += 1
-        if seen < len(draft):
-            self.pending = draft.cut(seen)
-        return seen, None
-
-    def _views(self, offset: int, draft: Draft, j: int, checks: list[Verification], final: bool):
-        """Each verifier's distribution, own token ids and whether these are cut at `offset`, and whether
-        every tokenizer has a boundary there; None where the boundary gate skips the position."""
-        aligned = all(offset in c.at for c in checks)
-        if not aligned and "boundary" in self.gates:
-            return None
-        rows, owns, cuts = [], [], []
-        for c in checks:
-            if offset in c.at:
-                row, own, cut = c.view(offset, final)
-                if offset == len(c.text) and offset < len(self.buffer) + sum(map(len, draft.pieces)):
-                    # every-token: the verifier read only the accepted text; its own token is how it would
-                    # begin the drafted text
-                    own = [draft.ids[j]] if c.same_vocab else self._first_ids(c.track.member, draft, j)
-                    if self.trace is not None:
-                        aligned &= c.starts_token_at(offset, b"".join(draft.pieces[j:]))
-            else:
-                row, own, cut = c.prefix_view(offset, final)
-            rows.append(row)
-            owns.append(own)
-            cuts.append(cut)
-        return rows, owns, cuts, aligned
-
-    def _constraint_at(self, j: int) -> Constraint | None:
-        """The grammar at drafted position j (rolled back, or caught up with the draft's ids)."""
-        constraint = self.constraint
-        if constraint is None:
-            return None
-        consumed, target = len(constraint.ids) - self.stats.tokens, j
-        if consumed > target:
-            constraint.rollback(consumed - target)
-        elif consumed < target:
-            constraint.consume(self.draft.ids[consumed:target])
-        return constraint
-
-    def _grammar_at(self, j: int) -> Constraint:
-        """`_constraint_at` for a request that has a grammar."""
-        constraint = self._constraint_at(j)
-        assert constraint is not None, "only asked for when the request has a grammar"
-        return constraint
-
-    @staticmethod
-    def _first_ids(member: Member, draft: Draft, j: int) -> list[int]:
-        text = b"".join(draft.pieces[j:])
-        first = member.vocab.first_id(text) if text else None
-        return [first] if first is not None else eos_ids(member)
-
-    def _ids_of(self, pick: Pick, row: Row, position: int) -> list[int]:
-        """The drafter ids a pick becomes. UniTE hands the drafter one id, its first token of the string,
-        and lets it continue from there (as the reference does); GaC the whole string re-encoded.
-
-        With `token_healing` (the default), a pick the drafter spells with one token is handed as the token
-        the drafter itself would spell the text with: its likeliest token (under `row`, the distribution the
-        drafted token was drawn from) that starts with the pick and agrees with all of it. Why: a verifier's
-        token is often a piece of one of the drafter's (":" of ":\n", "\n" of "\n\n", " sub" of
-        " subspace"); handed the piece, the drafter continues from a split its tokenizer never makes, a
-        sequence it was not trained on (issue 31: such handovers preceded most loops of the accuracy study)."""
-        member = self.drafter.member
-        if pick.eos:
-            return [min(member.eos_ids)]
-        single = member.vocab.id_of_bytes.get(pick.text)
-        ids = [single] if single is not None else member.vocab.encode(pick.text)[0]
-        if self.strategy.aggregation == "unite":
-            ids = ids[:1]
-        if len(ids) == 1 and self.config.token_healing:
-            ids = [self._healed(ids[0], pick.text, row, position)]
-        return ids
-
-    def _healed(self, first: int, text: bytes, row: Row, position: int) -> int:
-        """The drafter's token that spells the start of `text` as the drafter would (see `_ids_of`)."""
-        vocab = self.drafter.member.vocab
-        start = vocab.token_bytes[first] or b""
-        spellings, ids = vocab.extensions(start)
-        if text != start:  # a pick of several drafter tokens: keep to spellings that agree with all of it
-            ids = [tid for b, tid in zip(spellings, ids) if b.startswith(text) or text.startswith(b)]
-        if len(ids) <= 1:
-            return first
-        logprobs = row.logprob(ids)
-        if not bool(torch.isfinite(logprobs).any()):
-            return first  # top-p left none of them: the pick's own token stands
-        if self.config.do_sample:
-            return ids[race_sample(logprobs, self.draws.key("heal", position))]
-        return ids[int(torch.argmax(logprobs))]
-
-    def _commit_points(self, first: int, accepted: int) -> None:
-        """Count this round's ensemble points among the `accepted` tokens, the first of which is generated token
-        `first` (a stop string may end the text before some judged positions)."""
-        for j, offset, verdict, replaced, handed, steered in self._points:
-            if j >= accepted:
-                break
-            if self.config.loop_steer is not None:
-                self._committed.append(Point(offset, first + j, replaced, steered))
-            self.stats.ensembled_tokens += 1
-            self.stats.replaced_tokens += replaced
-            self.stats.steered_tokens += steered
-            if self.trace is not None and verdict.point is not None:
-                shown = verdict.point.drafted if handed is None else handed.decode("utf-8", errors="replace")
-                self.trace.append(replace(verdict.point, replaced=replaced, handed=shown, steered=steered))
-        self._points = []
-
-    # -- bookkeeping ------------------------------------------------------------------------------------
-    def _accept(self, draft: Draft, kept: int, replacement: list[int] | None) -> None:
+    # -- what a round leaves: accepted text, counted points, loop steering -------------------------------
+    def _accept(self, rnd: Round, kept: int, replacement: list[int] | None) -> None:
         """Move `kept` drafted tokens (+ a replacement) into the text; crop the drafter where they diverge."""
-        drafter = self.drafter
+        drafter, draft, cfg = self.drafter, rnd.draft, self.config
         member = drafter.member
         first = self.stats.tokens
         base = drafter.prompt_len + first
-        budget = self.config.max_new_tokens - self.stats.tokens
-        ids = draft.ids[:kept]
-        pieces = draft.pieces[:kept]
+        ids, pieces = draft.ids[:kept], draft.pieces[:kept]
         ended = bool(ids) and not pieces[-1]
-        decided, covered = self._decided, self._covered
-        self._decided, self._covered = {}, set()
-        entries = [self._entry(draft, j, decided, covered) for j in range(kept)] if self.logprobs is not None else []
+        entries = self.logprobs.of_round(rnd, kept) if self.logprobs is not None else []
         if replacement is not None:
-            room = budget - kept  # >= 1: the replaced position was within the budget and the window
+            room = cfg.max_new_tokens - first - kept  # >= 1: the replaced position was within the budget and window
             if member.context_window is not None:
                 room = min(room, member.context_window - base - kept)
             replacement = replacement[: max(room, 1)]
             ended = replacement[0] in member.eos_ids
-            constraint = self._constraint_at(kept)
+            constraint = grammar_at(self.constraint, first, draft, kept)
             if constraint is not None:
                 constraint.consume(replacement)
             ids = ids + replacement
             pieces = pieces + [member.token_bytes[t] or b"" for t in replacement]
             if self.logprobs is not None:
-                strings, target, chosen = decided[kept]
-                entries += [self.logprobs.ensemble(replacement[0], strings, target, chosen)]
-                entries += [self.logprobs.determined(t) for t in replacement[1:]]
+                entries += self.logprobs.of_replacement(rnd, kept, replacement)
             drafter.ids = drafter.ids[:base] + ids
             drafter.cached = min(drafter.cached, base + kept)
             self.pending = Draft()
-        guard, back = self.config.loop_guard, None
+        back = None
         for n, piece in enumerate(pieces, 1):  # token by token: a stop string ends the count where it appears
             if self.buffer.append(piece):
                 ids = ids[:n]
@@ -567,72 +238,32 @@ class Generation:
                 break
             if not piece:
                 continue
-            if self.config.loop_steer is not None and (back := self._steer_target(first, n)) is not None:
-                ids = ids[:n]
-                break
-            if guard is not None and ends_in_loop(self.buffer.data, self.config.loop_span, guard):
+            if cfg.loop_steer is not None:
+                back = self.steering.target(self.buffer.data, self.stats, first, n, rnd.points)
+                if back is not None:
+                    ids = ids[:n]
+                    break
+            if cfg.loop_guard is not None and ends_in_loop(self.buffer.data, cfg.loop_span, cfg.loop_guard):
                 ids = ids[:n]
                 self._finish("repetition")
                 break
         self.stats.tokens += len(ids)
         if self.logprobs is not None:
             self.logprobs.extend(entries[: len(ids)], pieces[: len(ids)])
-        self._commit_points(first, len(ids))
+        self.steering.commit(rnd.points, first, len(ids), self.stats, self.trace)
         if back is not None:
             self._go_back(back)
         elif self.finish_reason is None:
             if ended:
                 self._finish("eos")
-            elif self.stats.tokens >= self.config.max_new_tokens or drafter.full:
+            elif self.stats.tokens >= cfg.max_new_tokens or drafter.full:
                 self._finish("length")
 
-    def _steer_target(self, first: int, n: int) -> Point | None:
-        """Loop steering, checked at each token's end (here the round's n-th, generated token first + n - 1):
-        where the text has come to end in a repetition (a stretch of loop_span+ bytes, loop_steer times in a
-        row, digits counting as equal) and an ensemble replacement lies inside those copies, the first such
-        replacement, to go back to and let the drafter's own token stand there.
-
-        Why there, and why afterwards: in the accuracy study a pick starts the loop and the drafter continues
-        it alone (issue 31, mmlu-redux/nutrition/1: a pick began the sentence's second copy, and the drafter
-        wrote every later copy with no replacement). The loop is certain only once the copies stand, when that
-        pick lies behind, often in the first copy: the drafter copies the pick along with the rest (all eight
-        GSM8K UniTE+SAFE loops that survived going back to the last copy, traced). Going back to it undoes the
-        ensemble's part in the loop and nothing else. Digits count as equal because most GSM8K loops are
-        numbered lists that repeat their lines ("13. **Step 13: ..."). A loop with no replacement in its copies
-        is the drafter's own and stays (the guard can end it).
-        Checked token by token, the greedy text is the same whatever the rounds; each token taken back is
-        decoded again, at most max_new_tokens of them per answer, and never further back than STEER_REACH bytes
-        from the end."""
-        data, copies = self.buffer.data, cast(int, self.config.loop_steer)
-        settled = self._settled
-        self._settled = max(settled, len(data) - STEER_REACH)
-        if self.stats.rolled_back_tokens >= self.config.max_new_tokens:
-            return None  # the budget is spent: no per-token loop search any more
-        period = loop_period(data, self.config.loop_span, copies, digits_equal=True)
-        if period is None:
-            return None
-        start = max(len(data) - copies * period, settled)
-        fresh = (Point(o, first + j, r, s) for j, o, _, r, _, s in self._points if j < n)
-        target = next((p for p in itertools.chain(self._committed, fresh) if p.replaced and p.offset >= start), None)
-        if target is None or self.stats.rolled_back_tokens + first + n - target.token > self.config.max_new_tokens:
-            return None
-        return target
-
     def _go_back(self, point: Point) -> None:
-        """Take back the text from `point` on: the members, the grammar, the stats, the trace and the logprobs
-        return to where they stood before it, and the drafter's own token is to stand there."""
+        """Take back the text from `point` on (`steering`): the members, the grammar, the stats, the trace and
+        the logprobs return to where they stood before it, and the drafter's own token is to stand there."""
         offset, kept = point.offset, point.token
-        dropped = [p for p in self._committed if p.offset >= offset]
-        self._committed = self._committed[: len(self._committed) - len(dropped)]
-        stats = self.stats
-        stats.ensembled_tokens -= len(dropped)
-        stats.replaced_tokens -= sum(p.replaced for p in dropped)
-        stats.steered_tokens -= sum(p.steered for p in dropped)
-        stats.rolled_back_tokens += stats.tokens - kept
-        stats.tokens = kept
-        self._kept = {o for o in self._kept if o < offset} | {offset}
-        if self.trace is not None:
-            self.trace = [p for p in self.trace if p.offset < offset]
+        self.steering.take_back(point, self.stats, self.trace)
         if self.logprobs is not None:
             self.logprobs.truncate(offset)
         self.buffer.truncate(offset)
@@ -646,26 +277,13 @@ class Generation:
                 track.frozen_ids = track.frozen_bytes = 0
         self.pending = Draft()
 
-    def _entry(
-        self, draft: Draft, j: int, decided: dict[int, tuple[list[bytes], torch.Tensor, bytes]], covered: set[int]
-    ) -> TokenLogprob:
-        """The logprob entry of drafted token j: the ensemble's where it decided j, the drafter's otherwise."""
-        assert self.logprobs is not None
-        if j in decided:
-            strings, target, chosen = decided[j]
-            return self.logprobs.ensemble(draft.ids[j], strings, target, chosen)
-        if j in covered:
-            return self.logprobs.determined(draft.ids[j])
-        return self.logprobs.drafter(draft.ids[j], draft.drawn[j])
-
-    def _finish(self, reason: str) -> bool:
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def _finish(self, reason: str) -> None:
         if reason != "stop" and self.buffer.append(b"", final=True):
             reason = "stop"  # a cut character became U+FFFD, which completed a stop string
         self.finish_reason = reason
         self.pending = Draft()
         self.stats.wall_time_s = time.perf_counter() - self._started
-        self.stats.forward_passes = {t.name: t.passes for t in self.tracks}
-        return True
 
     @property
     def cancelled(self) -> bool:
@@ -675,7 +293,7 @@ class Generation:
         """The request cannot go on: keep why (raised to its caller) and free its caches."""
         if self.error is None and not self.finished:
             self.error = err
-            _drop_frame_locals(err)
+            drop_frame_locals(err)
         self._cancelled = True
         self._release()  # called by whoever runs the round, so no round of this request is in progress
 
@@ -689,16 +307,12 @@ class Generation:
                 self._busy.release()
 
     def _release(self) -> None:
-        """Free what the request holds: its caches, and the round's rows of logits.
-
-        Why the rows too: a row is a view into its round's batched logits (a whole [positions, vocab] block),
-        and a finished request stays referenced for a while (a server's stream objects, a caller's handle, a
-        reference cycle the garbage collector only reaches in its rare full passes). Measured on a server:
-        ~550 MB of such blocks per wave of 128 requests on tiny models (benchmarks/soak.py).
+        """Free what the request holds: its caches, and the carried draft's rows of logits (a round's own go
+        with its `Round`). Why the rows: each is a view into its round's batched [positions, vocab] logits, and
+        a finished request stays referenced for a while (a server's stream objects, a caller's handle, a cycle
+        the garbage collector reaches late): ~550 MB per wave of 128 requests on tiny models (benchmarks/soak.py).
         """
-        self.checks = []  # a round cut short leaves its verifications, whose jobs hold the caches
-        self.draft, self.pending = Draft(), Draft()
-        self._decided, self._covered = {}, set()
+        self.pending = Draft()
         for track in self.tracks:
             track.release()
 
@@ -713,257 +327,5 @@ class Generation:
         and, with loop steering, minus the text from the first replacement it may still go back to."""
         text = self.buffer.visible(self.finish_reason is not None)
         if self.finish_reason is None and self.config.loop_steer is not None:
-            revisable = next((p.offset for p in self._committed if p.replaced and p.offset >= self._settled), None)
-            if revisable is not None:
-                decoded = codecs.getincrementaldecoder("utf-8")("replace").decode(bytes(self.buffer.data[:revisable]))
-                text = text[: len(decoded)]
+            text = self.steering.visible(text, self.buffer.data)
         return text
-
-
-def run_round(gens: Sequence[Generation]) -> None:
-    """One draft → verify → scan round of every request, batched phase by phase: each drafting step is one
-    forward of the drafter over all requests still drafting, each verifier scores all requests' drafts in
-    one forward, then every request scans and accepts on its own. A batch of one is a request alone.
-
-    Failures are the requests' own: one that cannot go on keeps its error in `error` and frees its caches;
-    the others continue. A failed forward fails every request of the batch."""
-    with contextlib.ExitStack() as held:
-        for gen in gens:
-            held.enter_context(gen._busy)  # cancel() from another thread waits for the round to end
-        try:
-            _run_round(gens)
-        finally:  # `_run_round`'s frame, now finished, holds the round's jobs: the failed ones' errors keep it
-            for gen in gens:
-                if gen.error is not None:
-                    _drop_frame_locals(gen.error)
-
-
-def _run_round(gens: Sequence[Generation]) -> None:
-    lone = gens[0] if len(gens) == 1 else None  # with many live requests, batching comes first
-    overlap = lone is not None and lone.can_overlap
-    placement = gens[0].placement
-    if placement is not None:  # beside the verifiers, alone (rounds, single), or a batch's phases: each its count
-        count = placement.batch if lone is None else placement.drafter if overlap else placement.alone
-        use_threads(count, placement.process)
-    started, rounds = time.perf_counter(), gens[0].stats.rounds
-    ahead = gens[0].stats.tokens + len(gens[0].pending)  # accepted + drafted ahead (carried into the round)
-    live = []
-    for gen in gens:
-        try:
-            gen.begin_round(overlap, batched=lone is None)
-            live.append(gen)
-        except Exception as err:  # this request alone (timed out, cancelled, finished)
-            gen.fail(err)
-    try:
-        if overlap and live:
-            _overlapped(live[0])
-        else:
-            drafting = [g for g in live if g.drafting]
-            while drafting:
-                for gen, rows in zip(drafting, _score_all([(g.drafter, g.draft_job()) for g in drafting])):
-                    gen.take_draft(rows)
-                drafting = [g for g in drafting if g.drafting]
-            checks = [c for g in live for c in g.verify() if c.job is not None]
-            work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
-            for check, rows in zip(checks, _verify(work, live)):
-                check.take(rows)
-        for gen in live:
-            gen.end_round()
-    except Exception as err:  # a forward failed: every request of the batch fails with it
-        for gen in live:
-            gen.fail(err)
-    except BaseException as err:  # KeyboardInterrupt and the like: free everything, then let it through
-        for gen in live:
-            gen.fail(err)
-        raise
-    gauge = lone.schedule_gauge if lone is not None else None
-    if gauge is not None and lone is not None and lone.error is None and rounds > 0:  # not the prompt's round
-        # the round's progress: tokens accepted plus those carried ahead, less those it was handed (an overlapped
-        # round accepts what the round before drafted; a replacement drops what was drafted past it)
-        progress = lone.stats.tokens + len(lone.pending) - ahead
-        if progress >= 0:  # loop steering may have taken tokens back: a round that times neither schedule
-            gauge.record("overlap" if overlap else "rounds", time.perf_counter() - started, progress)
-
-
-def _verify(work: Sequence[tuple[Track, Job]], live: Sequence[Generation]) -> list[list[Row]]:
-    """The verifiers' rows in a round without overlap. A lone request on the CPU scores them on the drafter's
-    thread, after its drafting, with the count measured fastest for them (`Placement.verifying`): one phase
-    after another, with no hand-over to another thread and its own thread team."""
-    placement = live[0].placement if live else None
-    if len(live) == 1 and placement is not None and work:
-        use_threads(placement.verifying, placement.process)
-    return _score_all(work, _executor(live))
-
-
-def _on_verifier_threads(placement: Placement | None, fn: Any, *args: Any) -> Any:
-    """`fn(*args)` with the verifiers' thread count beside the drafter, where the engine places threads."""
-    if placement is not None:
-        use_threads(placement.verifiers, placement.process)
-    return fn(*args)
-
-
-def _overlapped(gen: Generation) -> None:
-    """The drafter's next chunk and the verifiers' pass over the text before it, at the same time; both are
-    timed for the schedule gauge."""
-    executor = gen.executor
-    assert executor is not None, "the overlap schedule needs the lineup's executor (see Generation.can_overlap)"
-    checks = [c for c in gen.verify() if c.job is not None]
-    work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
-    reads_prompt = any(c.track.passes == 0 for c in checks)  # a verifier's first pass: the prompt too
-    verifying = executor.submit(_timed, _on_verifier_threads, gen.placement, _score_all, work) if checks else None
-    drafter_s = 0.0
-    try:
-        while gen.drafting:
-            drafted, seconds = _timed(_score_all, [(gen.drafter, gen.draft_job())])
-            gen.take_draft(drafted[0])
-            drafter_s += seconds
-    finally:
-        rows, verifiers_s = verifying.result() if verifying is not None else ([], None)  # never leave one running
-    for check, check_rows in zip(checks, rows):
-        check.take(check_rows)
-    if gen.schedule_gauge is not None and drafter_s and verifiers_s is not None and not reads_prompt:
-        gen.schedule_gauge.record_chunk(verifiers_s / drafter_s, gen.config.draft_length)
-
-
-class ScheduleGauge:
-    """Which schedule serves a lone request faster on this machine now, and how many tokens an overlapped
-    round drafts; measured on the requests' own rounds and shared by an ensemble's requests.
-
-    Overlap hides the verifiers' pass behind the drafter's steps only while the pass ends first and the two
-    forwards do not slow each other down. A busy neighbour core breaks that (measured on the demo pair: 0.63
-    of the drafter alone overlapped vs 0.77 in rounds), and so does a verifier set whose one-token pass
-    outlasts a drafter step (Qwen-0.5B drafting for SmolLM2-135M + gemma-3-270m: 0.41 vs 0.56). So:
-
-    - the gauge times both schedules, in seconds per token of progress (accepted, plus drafted ahead and
-      carried, less what the round was handed) over `WINDOW` tokens each, in alternating blocks of `BLOCK`
-      tokens, so that both see nearby stretches of text: how often the ensemble replaces a token changes
-      along an answer, and a replacement costs rounds more than overlap. A request's first round (its
-      prompt's) and the first round after a switch are not timed. Then it runs the faster one and times
-      both again after every `REPROBE` tokens, because the machine's load changes;
-    - an overlapped round drafts a chunk of `chunk` tokens, grown by one while the verifiers' pass over a
-      chunk outlasts the drafter's steps (median of `CHUNK_SAMPLES` rounds): a k-token pass costs little
-      more than a one-token pass, so a chunk lets two verifiers keep up with one drafter. A grown chunk is
-      timed afresh (its cost per token is not the smaller one's).
-
-    The greedy text does not depend on any of this (every schedule judges each position on the same text).
-    """
-
-    SCHEDULES = ("overlap", "rounds")
-    WINDOW = 16
-    BLOCK = 8
-    REPROBE = 512
-    CHUNK_SAMPLES = 4
-    MAX_CHUNK = 8
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.seconds_per_token: dict[str, float] = {}  # each schedule's last timed window
-        self.chunk = 1
-        self._ratios: list[float] = []
-        self._last: str | None = None  # the schedule of the last round recorded
-        self._start_timing()
-
-    def _start_timing(self) -> None:
-        self._window = {s: (0.0, 0) for s in self.SCHEDULES}  # (seconds, tokens) timed in this window
-        self._timing = True
-        self._block, self._block_tokens = "overlap", 0  # the schedule timed now, and its tokens so far
-        self._since = 0  # tokens decoded since both were last timed
-
-    def choose(self) -> str:
-        """The schedule of a lone request's next round."""
-        with self._lock:
-            if self._timing:
-                return self._block
-            return min(self.SCHEDULES, key=self.seconds_per_token.__getitem__)
-
-    def record(self, schedule: str, seconds: float, tokens: int) -> None:
-        """One lone request's round: its schedule, wall time and progress in tokens. The first round after a
-        switch is not timed: it inherits the other schedule's work (rounds verify what overlap drafted
-        ahead; overlap's first round drafts with nothing to verify)."""
-        with self._lock:
-            switched, self._last = schedule != self._last, schedule
-            if not self._timing:
-                self._since += tokens
-                if self._since >= self.REPROBE:
-                    self._start_timing()
-                return
-            if switched:
-                return
-            spent, counted = self._window[schedule]
-            self._window[schedule] = (spent + seconds, counted + tokens)
-            if all(counted >= self.WINDOW for _, counted in self._window.values()):
-                self.seconds_per_token = {s: spent / counted for s, (spent, counted) in self._window.items()}
-                self._timing, self._since = False, 0
-                return
-            if schedule == self._block:
-                self._block_tokens += tokens
-                other = self.SCHEDULES[1 - self.SCHEDULES.index(schedule)]
-                if self._block_tokens >= self.BLOCK and self._window[other][1] < self.WINDOW:
-                    self._block, self._block_tokens = other, 0
-
-    def record_chunk(self, ratio: float, limit: int = MAX_CHUNK) -> None:
-        """One overlapped round: the verifiers' pass time over the drafter's steps beside it (`limit`: the
-        request's draft_length, the largest chunk it drafts)."""
-        with self._lock:
-            self._ratios.append(ratio)
-            if len(self._ratios) < self.CHUNK_SAMPLES:
-                return
-            if statistics.median(self._ratios) > 1.0 and self.chunk < min(self.MAX_CHUNK, limit):
-                self.chunk += 1
-                self._start_timing()  # overlap's timing so far was of smaller chunks
-            self._ratios.clear()
-
-
-def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - start
-
-
-def _executor(gens: Sequence[Generation]) -> Executor | None:
-    return gens[0].executor if gens and gens[0].parallel_members else None
-
-
-def _score_all(work: Sequence[tuple[Track, Job]], executor: Executor | None = None) -> list[list[Row]]:
-    """Rows for each (track, job), one `score_many` per member (members on different devices at once)."""
-    by_member: dict[int, list[tuple[Track, Job]]] = {}
-    for track, job in work:
-        by_member.setdefault(id(track.member), []).append((track, job))
-    groups = list(by_member.values())
-    if executor is not None and len(groups) > 1:
-        scored = [future.result() for future in [executor.submit(_score_group, g) for g in groups]]
-    else:
-        scored = [_score_group(g) for g in groups]
-    rows_of = {id(job): rows for group, group_rows in zip(groups, scored) for (_, job), rows in zip(group, group_rows)}
-    return [rows_of[id(job)] for _, job in work]
-
-
-def _score_group(group: list[tuple[Track, Job]]) -> list[list[Row]]:
-    """One member's `score_many` over its jobs; a failure is that member's, for every job of the batch.
-
-    A plain function, not a closure: a failed call's frames (kept by the error) hold the jobs only in
-    locals, which `_drop_frame_locals` clears (a frame keeps its function, and a closure its cells)."""
-    track = group[0][0]
-    try:
-        return track.member.score_many([job for _, job in group])
-    except SafeEngineError:
-        raise
-    except Exception as err:  # out of memory, a CUDA error, a broken model: it fails the whole batch
-        raise MemberError(
-            f"member {track.name!r} failed in a forward pass over {len(group)} request(s): {type(err).__name__}: {err}",
-            member=track.name,
-        ) from err
-
-
-def _drop_frame_locals(err: BaseException) -> None:
-    """Clear the locals of the finished frames in `err`'s traceback (and its causes'), keeping the lines.
-
-    Why: a request keeps its error until its reader is done with it, and the frames of a failed forward
-    hold the batch's jobs and KV caches; the request's memory must go when it fails, not when the error does.
-    """
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        traceback.clear_frames(current.__traceback__)  # frames still running (this one's callers) are skipped
-        current = current.__cause__ or current.__context__

@@ -24,6 +24,7 @@ from ..runtime.members import Member
 from ..runtime.rows import Row
 from ..stats import TokenLogprob, TopLogprob
 from .aggregation import EOS
+from .round import Round
 
 
 class Logprobs:
@@ -64,6 +65,25 @@ class Logprobs:
     def determined(self, tok: int) -> TokenLogprob:
         """A later id of a GaC pick spelled with several drafter ids: certain, given the pick."""
         return self._entry(tok, 0.0, [], "ensemble")
+
+    def of_round(self, rnd: Round, kept: int) -> list[TokenLogprob]:
+        """The entries of a round's first `kept` drafted tokens: the ensemble's where it decided a position,
+        certain where a GaC pick covered it, the drafter's otherwise."""
+        draft, entries = rnd.draft, []
+        for j in range(kept):
+            if j in rnd.decided:
+                strings, target, chosen = rnd.decided[j]
+                entries.append(self.ensemble(draft.ids[j], strings, target, chosen))
+            elif j in rnd.covered:
+                entries.append(self.determined(draft.ids[j]))
+            else:
+                entries.append(self.drafter(draft.ids[j], draft.drawn[j]))
+        return entries
+
+    def of_replacement(self, rnd: Round, kept: int, replacement: Sequence[int]) -> list[TokenLogprob]:
+        """The entries of the ids that replaced drafted token `kept`: the pick's, then those it determines."""
+        strings, target, chosen = rnd.decided[kept]
+        return [self.ensemble(replacement[0], strings, target, chosen)] + [self.determined(t) for t in replacement[1:]]
 
     def extend(self, entries: Sequence[TokenLogprob], pieces: Sequence[bytes]) -> None:
         """Accept the entries of tokens moved into the text (`pieces`: the bytes each spells)."""

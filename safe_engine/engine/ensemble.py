@@ -13,7 +13,8 @@ from typing import Any, cast
 import torch
 
 from ..algorithm.aggregation import UnionVocab
-from ..algorithm.decoding import Generation, Lineup, ScheduleGauge
+from ..algorithm.decoding import Generation
+from ..algorithm.lineup import Lineup
 from ..errors import ConfigError, InputError, InputTypeError
 from ..runtime.llamacpp import load_llamacpp_member, local_runtime
 from ..runtime.members import Member, ModelSpec, check_device, load_member, resolve_spec, unique_names
@@ -29,6 +30,7 @@ from ..runtime.quantization import check_quantization
 from ..shaping.reply import StreamEvent
 from ..shaping.request import Request, build_request
 from ..stats import EnsembleStats, GenerationResult
+from .gauge import ScheduleGauge
 from .memory import release_free_memory
 from .scheduler import Scheduler, Ticket, collect
 

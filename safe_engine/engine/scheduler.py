@@ -2,7 +2,7 @@
 
 Requests come from any thread (`generate`, `stream`) or asyncio task (`agenerate`, `astream`). Each one
 joins at the next round and leaves when it finishes, fails or is cancelled; a round batches its phases over
-all live requests (`decoding.run_round`), so eight requests cost about as many forward passes as one, each
+all live requests (`rounds.run_round`), so eight requests cost about as many forward passes as one, each
 a little wider. The rounds run on a worker thread that exists only while there is work, or, for a blocking
 `generate`, on the caller's own thread while no other thread runs them (`Scheduler.lead`); the
 interpreter's exit cancels what is left.
@@ -21,12 +21,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import cast
 
-from ..algorithm.decoding import Generation, run_round
+from ..algorithm.decoding import Generation
 from ..errors import ConfigError, InputError
 from ..runtime.placement import engine_thread, lent_thread
 from ..shaping.reply import Reply, StreamEvent
 from ..stats import GenerationResult, TokenLogprob
 from .memory import release_free_memory
+from .rounds import run_round
 
 _EXIT_WAIT_S = 30.0  # at interpreter exit, how long the last (cancelled) round may take to end
 

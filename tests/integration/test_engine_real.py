@@ -94,9 +94,9 @@ def test_after_replacements_the_drafters_cache_gives_what_a_fresh_forward_gives(
     seen = []
     take = decoding.Generation.take_draft
 
-    def recording(self, rows):
+    def recording(self, rnd, rows):
         seen.append((list(self.drafter.ids), rows[-1].values.clone()))
-        return take(self, rows)
+        return take(self, rnd, rows)
 
     monkeypatch.setattr(decoding.Generation, "take_draft", recording)
     res = Ensemble([smol, gemma]).generate(STORY, max_new_tokens=64, schedule="rounds")

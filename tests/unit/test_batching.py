@@ -11,7 +11,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from safe_engine import Ensemble, Member
-from safe_engine.algorithm import decoding
+from safe_engine.engine import rounds as engine_rounds
 from safe_engine.runtime.packed import KVPool, packed_forward
 from tests.conftest import TINY, tiny_member, tokenizer
 
@@ -109,7 +109,7 @@ def chat3():
 def test_each_request_of_a_mixed_batch_gets_exactly_its_solo_result(chat3, monkeypatch):
     alone = [solo(chat3, r, o) for r, o in REQUESTS]
     widths: list[int] = []
-    run_round = decoding.run_round
+    run_round = engine_rounds.run_round
 
     def counting(gens):
         widths.append(len(gens))
@@ -143,7 +143,7 @@ def test_generate_batch_takes_prompts_and_messages_and_respects_max_batch_size(m
     prompts = ["The quick brown fox", "Hello", "Once upon a time", "A"]
     alone = [ens.generate(p, max_new_tokens=20).text for p in prompts]
     widths: list[int] = []
-    run_round = decoding.run_round
+    run_round = engine_rounds.run_round
     monkeypatch.setattr(
         "safe_engine.engine.scheduler.run_round", lambda gens: widths.append(len(gens)) or run_round(gens)
     )
@@ -217,7 +217,7 @@ def test_a_blocking_generate_decodes_on_the_callers_thread_and_hands_over_what_i
     short_alone = ens.generate(PROMPT, max_new_tokens=8).text
     long_alone = ens.generate("Hello", max_new_tokens=40).text
     rounds: list[tuple[str, int]] = []  # (thread, requests in the round)
-    run_round = decoding.run_round
+    run_round = engine_rounds.run_round
     results: dict[str, object] = {}
     joiner = threading.Thread(
         target=lambda: results.setdefault("long", ens.generate("Hello", max_new_tokens=40)), name="joiner"

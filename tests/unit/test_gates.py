@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from safe_engine import Ensemble, EnsemblePoint, Member
-from safe_engine.algorithm import alignment, decoding
+from safe_engine.algorithm import alignment, scan
 from tests.conftest import tiny_member
 
 PROMPT = "The quick brown fox"
@@ -177,7 +177,7 @@ def test_a_cut_verifier_token_is_never_judged_at_its_falsely_low_probability(mon
     members = [tiny_member("llama2", 2), tiny_member("gpt2", 3)]
     checked, exact, under = understated_views(members)
     assert checked > 10 and under == 0 and exact > 0
-    monkeypatch.setattr(decoding, "CARRY_LIMIT", 0)  # every draft counts as final: cut tokens taken as they are
+    monkeypatch.setattr(scan, "CARRY_LIMIT", 0)  # every draft counts as final: cut tokens taken as they are
     checked, exact, under = understated_views(members)
     assert under > 0  # the old way: some verifier probabilities were those of cut tokens
 

@@ -97,13 +97,13 @@ def test_llm_batch(llm, ens):
 def test_batches_decode_together(llm, chat, ens, monkeypatch):
     """SafeLLM.batch / abatch and ChatSafe.batch put the prompts in one engine batch (the scheduler steps
     them in the same rounds); each answer is the one the prompt gets alone."""
-    from safe_engine.algorithm import decoding
+    from safe_engine.engine import rounds
 
     prompts = ["Hello", "The quick brown fox", "Once upon a time"]
     options = {"schedule": "rounds"}  # alone, a request may overlap instead: the same text either way
     alone = [llm.invoke(p, **options) for p in prompts]
     widths: list[int] = []
-    run_round = decoding.run_round
+    run_round = rounds.run_round
     monkeypatch.setattr(
         "safe_engine.engine.scheduler.run_round", lambda gens: widths.append(len(gens)) or run_round(gens)
     )

@@ -242,7 +242,7 @@ def handed(ens: Ensemble, pick: bytes, logits: torch.Tensor, **options) -> bytes
     """What a replacement hands the drafter at a position whose drafter distribution is `logits`."""
     generation = ens._start(ens.request("Question", **options))
     try:
-        ids = generation._ids_of(Pick.of(pick), LocalRow(logits), 0)
+        ids = generation.handover.ids(Pick.of(pick), LocalRow(logits), 0)
     finally:
         generation.cancel()
     return b"".join(ens.drafter.token_bytes[t] or b"" for t in ids)

@@ -16,6 +16,7 @@ import torch
 
 from safe_engine import ConfigError, Ensemble, GenerationConfig, MemberError, ModelLoadError, ModelSpec, build_request
 from safe_engine.algorithm.decoding import Generation
+from safe_engine.engine.rounds import run_round
 from safe_engine.runtime.ray import MIN_TOP_K, RayMember, load_ray_members, resolve_backends
 from tests.conftest import tiny_model, tokenizer
 
@@ -261,7 +262,8 @@ def test_actors_hold_no_request_state_after_finish_or_abandon(remote):
     # safety net: a Generation dropped without ever being released frees its caches when collected
     gen = remote._start(build_request(PROMPT, **{"max_new_tokens": 60}))
     assert isinstance(gen, Generation)
-    gen.step()
+    run_round([gen])  # one round of this request alone
+    assert gen.error is None
     assert not no_open_requests(remote.members)
     del gen
     gc.collect()

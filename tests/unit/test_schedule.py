@@ -10,7 +10,7 @@ import time
 import pytest
 
 from safe_engine import ConfigError, Ensemble, SafeEngineError, build_request
-from safe_engine.algorithm.decoding import ScheduleGauge
+from safe_engine.engine.gauge import ScheduleGauge
 from safe_engine.runtime.placement import Placement
 from tests.conftest import tiny_member
 from tests.reliability.conftest import live_caches, wait_until
