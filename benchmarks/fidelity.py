@@ -28,8 +28,13 @@ def worker(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    from safe_engine import Ensemble, decoding
+    from safe_engine import Ensemble
     from safe_engine.bench import PROMPT
+
+    try:  # where the decoding loop lives: algorithm/ since the layers; safe_engine/ in older engines
+        from safe_engine.algorithm import decoding
+    except ImportError:
+        from safe_engine import decoding  # type: ignore[attr-defined,no-redef]
     from safe_engine.runtime.members import load_member
 
     last_position = {"n": 0}
