@@ -46,6 +46,7 @@ import argparse
 import json
 import resource
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -67,7 +68,9 @@ from safe_engine.eval import (
     run_eval,
     write_report,
 )
+from safe_engine.runtime.llamacpp import load_llamacpp_member
 from safe_engine.runtime.members import Member, load_member
+from safe_engine.runtime.placement import cpu_model
 
 PLAIN_CHAT = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}Question: {{ m['content'] }}\n"
@@ -114,16 +117,21 @@ def describe(task: str, limit: int, subtasks: tuple[str, ...]) -> str:
 
 
 @cache
-def member(name: str, quantization: str | None = None) -> Member:
-    """A demo member, loaded once (gemma with the plain Question/Answer chat template)."""
-    template = PLAIN_CHAT if name == "gemma3-270m" else None
-    return load_member(ModelSpec(name, chat_template=template, quantization=quantization))
+def member(name: str, quantization: str | None = None, backend: str = "torch") -> Member:
+    """A demo member, loaded once (gemma with the plain Question/Answer chat template): float32 (or int8)
+    torch weights de-quantised from the demo GGUF, or the GGUF as it is in llama.cpp (issue 46)."""
+    spec = ModelSpec(name, chat_template=PLAIN_CHAT if name == "gemma3-270m" else None, quantization=quantization)
+    if backend == "llama.cpp":
+        return load_llamacpp_member(spec)
+    return load_member(spec)
 
 
 def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[str, Callable[[], ConfigFn]]:
     """Row name -> a function building that row's configuration (loading its members on first use)."""
     kw: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
-    qwen, smol, gemma = (partial(member, name) for name in ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"))
+    qwen, smol, gemma = (
+        partial(member, name, backend=args.backend) for name in ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m")
+    )
 
     def ensemble(*members: Callable[[], Member], drafter: int = 0) -> Callable[[], Ensemble]:
         return lambda: Ensemble([m() for m in members], drafter=drafter, max_batch_size=args.ensemble_batch)
@@ -132,6 +140,8 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
     int8_pair = ensemble(partial(member, "qwen2.5-coder-0.5b", "int8"), partial(member, "smollm2-135m", "int8"))
 
     def single(m: Callable[[], Member], stop: tuple[str, ...] = ()) -> Callable[[], ConfigFn]:
+        if args.backend == "llama.cpp":  # the engine's greedy `single` (llama-cpp-python's own text, docs/llamacpp.md)
+            return ens(lambda: Ensemble([m()], max_batch_size=args.ensemble_batch), method="single", stop=stop)
         return lambda: make_batched_single_config(m(), problems, batch_size=args.batch, stop=stop, **kw)
 
     def ens(members: Callable[[], Ensemble], **settings: Any) -> Callable[[], ConfigFn]:
@@ -226,6 +236,23 @@ def write_timings(out: Path) -> Path:
     return path
 
 
+def source_commit() -> str | None:
+    """The commit of the code this run imports (a study pins it: PYTHONPATH at a checkout of one commit),
+    with "+dirty" where its safe_engine differs from that commit."""
+    import safe_engine
+
+    def git(*argv: str) -> str | None:
+        where = Path(safe_engine.__file__).resolve().parent.parent
+        try:
+            done = subprocess.run(["git", "-C", str(where), *argv], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    return head and head + ("+dirty" if git("status", "--porcelain", "safe_engine") else "")
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
@@ -243,7 +270,14 @@ def main() -> None:
     p.add_argument("--ids", help="file of problem ids, one per line: run only those of the selected problems")
     p.add_argument("--batch", type=int, default=16, help="problems per generate call for single-model rows")
     p.add_argument("--ensemble-batch", type=int, default=8, help="problems decoded at once by ensemble rows")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch threads, which llama.cpp members use too (default: torch's)")
+    p.add_argument(
+        "--backend",
+        choices=("torch", "llama.cpp"),
+        default="torch",
+        help="members as float32 torch weights de-quantised from the demo GGUFs (the study of issue 17) or the "
+        "GGUFs as they are in llama.cpp (issue 46); single-model rows then run the engine's greedy `single`",
+    )
     p.add_argument("--out", default="benchmarks/results", help="folder of the report (and default JSONL)")
     p.add_argument("--jsonl", nargs="+", help="results file(s) (default OUT/TASK.jsonl); runs append to the first")
     p.add_argument("--report-only", action="store_true", help="only write the report over the --jsonl files")
@@ -292,6 +326,9 @@ def main() -> None:
                 "max_new_tokens": args.max_new_tokens,
                 "batch": args.batch,
                 "threads": torch.get_num_threads(),
+                "backend": args.backend,
+                "commit": source_commit(),
+                "cpu": cpu_model(),
                 "jsonl": str(files[0]),
                 "started": started,
                 "status": status,
