@@ -25,11 +25,12 @@ On the CPU, `runtime.placement` says how many threads each kind of forward gets 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
 from ..errors import GenerationTimeout, InputError, drop_frame_locals
-from ..runtime.members import Job, Track
+from ..runtime.members import Job, Member, Track
 from ..runtime.rows import Draws, Row
 from ..shaping.constrained import Constraint
 from ..shaping.request import Request
@@ -44,6 +45,10 @@ from .round import Draft, Round
 from .scan import CARRY_LIMIT, Scanner, grammar_at
 from .steering import STEER_REACH, LoopSteering, Point
 from .text import TextBuffer, ends_in_loop
+
+# A verifier's tokens of the answer can outnumber the drafter's by more than the prompt's ratio says (a word
+# its vocabulary splits): the positions its reservation adds for that
+RESERVE_SLACK = 64
 
 __all__ = ["CARRY_LIMIT", "STEER_REACH", "UNSURE", "Draft", "Gauge", "Generation", "Lineup", "Point", "Round"]
 
@@ -104,6 +109,23 @@ class Generation:
     @property
     def verifiers(self) -> list[Track]:
         return self.tracks[1:]
+
+    def reserved_positions(self) -> list[tuple[Member, int]]:
+        """The positions this request may come to hold in each member whose requests share one pool of them (a
+        llama.cpp context), for the scheduler to admit it only where they fit: its prompt and token budget with
+        a draft's lookahead, a verifier's budget scaled by how many more tokens than the drafter's its
+        tokenizer made of the prompt (and some slack), never more than the member's window."""
+        cfg = self.config
+        ahead = cfg.max_new_tokens + cfg.draft_length + 1
+        out = []
+        for track in self.tracks:
+            if track.member.positions is None:
+                continue
+            scale = max(1.0, track.prompt_len / max(1, self.drafter.prompt_len))
+            need = track.prompt_len + math.ceil(ahead * scale) + (0 if track is self.drafter else RESERVE_SLACK)
+            window = track.member.context_window
+            out.append((track.member, min(need, window) if window else need))
+        return out
 
     @property
     def text(self) -> str:

@@ -41,6 +41,7 @@ class Ticket:
 
     def __init__(self, generation: Generation, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.generation = generation
+        self.reservation = generation.reserved_positions()  # what it may hold in members' shared pools
         self.reply = Reply(generation.request)
         self._emitted = 0
         self._emitted_bytes = 0  # UTF-8 bytes of the emitted text, and the logprob entries emitted with it
@@ -115,7 +116,8 @@ class Ticket:
 
 
 class Scheduler:
-    """Admits up to `max_batch_size` live requests and steps them round by round in one worker thread."""
+    """Admits up to `max_batch_size` live requests (as many as members' shared KV pools hold: `Ticket.reservation`)
+    and steps them round by round in one worker thread."""
 
     def __init__(self, max_batch_size: int) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -229,11 +231,23 @@ class Scheduler:
         # server grows wave after wave). Nothing of theirs is referenced any more: `_round`'s frame is gone.
         release_free_memory()
 
+    def _fits(self, ticket: Ticket) -> bool:
+        """Whether a request's reserved positions fit beside the live requests' in every member whose requests
+        share one pool (a llama.cpp context); a request alone always does (it fits its members' windows). In
+        submission order: a later, smaller request does not overtake one that waits for room."""
+        if not self._live:
+            return True
+        for member, need in ticket.reservation:
+            held = sum(n for live in self._live for m, n in live.reservation if m is member)
+            if member.positions is not None and held + need > member.positions:
+                return False
+        return True
+
     def _round(self, leader: bool = False) -> bool:
         """Admit waiting requests and run one round of the live ones; False (the worker, or the `leader`,
         stops) when none is left."""
         with self._cond:
-            while self._waiting and len(self._live) < self.max_batch_size:
+            while self._waiting and len(self._live) < self.max_batch_size and self._fits(self._waiting[0]):
                 self._live.append(self._waiting.popleft())
             if not self._live:
                 self._worker, self._ending = None, self._ending if leader else self._worker

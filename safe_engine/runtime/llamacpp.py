@@ -180,6 +180,7 @@ class LlamaCppMember(Member):
         chat_template: str | None = None,
         context: int = DEFAULT_CONTEXT,
         sequences: int = 64,
+        positions: int | None = None,
     ) -> None:
         ll = llama()
         path = Path(gguf)
@@ -205,9 +206,10 @@ class LlamaCppMember(Member):
         self._vocab = ll.llama_model_get_vocab(self._model)
         n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         trained = ll.llama_model_n_ctx_train(self._model)
-        context = min(context, trained) if trained > 0 else context
+        context = min(context, trained) if trained > 0 else context  # one request's window
+        self.positions = max(context, positions or DEFAULT_CONTEXT)  # shared by its requests (see Member)
         params = ll.llama_context_default_params()
-        params.n_ctx = context
+        params.n_ctx = self.positions
         params.n_batch = context  # a prompt is one pass
         params.n_ubatch = min(512, context)
         params.n_seq_max = sequences
@@ -217,7 +219,7 @@ class LlamaCppMember(Member):
         params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama-cpp-python's `Llama` (same rows)
         self._ctx = ll.llama_init_from_model(self._model, params)
         if not self._ctx:
-            raise ModelLoadError(f"llama.cpp could not create a context of {context} positions for {path.name}")
+            raise ModelLoadError(f"llama.cpp could not create a context of {self.positions} positions for {path.name}")
         self._native[1] = self._ctx
         self._memory = ll.llama_get_memory(self._ctx)
         self._threads = int(params.n_threads)
@@ -227,6 +229,7 @@ class LlamaCppMember(Member):
         # a context is never used by two threads at once; reentrant: a dropped request's finalizer may give its
         # sequence back (under this lock) while this thread is inside a pass
         self._forward_lock = threading.RLock()
+        self._held: dict[int, int] = {}  # sequence id -> positions it holds in the context
         self._batch_size = 0
         self._batch: Any = None
         eos = {int(ll.llama_vocab_eos(self._vocab)), int(ll.llama_vocab_eot(self._vocab))} - {-1}
@@ -286,6 +289,7 @@ class LlamaCppMember(Member):
     def _free_sequence(self, seq: int) -> None:
         with self._forward_lock:
             self._ll.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            self._held.pop(seq, None)
         with self._free_lock:
             self._free.append(seq)
 
@@ -298,17 +302,20 @@ class LlamaCppMember(Member):
         if total == 0:
             return [torch.empty(0, self.vocab_size) for _ in jobs]
         with self._forward_lock:
+            for job in jobs:
+                if job.start > job.cache.length:
+                    raise MemberError(
+                        f"member {self.name!r}: a pass starts at {job.start}, past the cache's {job.cache.length} "
+                        "positions",
+                        member=self.name,
+                    )
+            self._check_room(jobs)
             batch = self._batch_for(total)
             i = 0
             for job in jobs:
                 cache: LlamaSequence = job.cache
-                if job.start > cache.length:
-                    raise MemberError(
-                        f"member {self.name!r}: a pass starts at {job.start}, past the cache's {cache.length} "
-                        "positions",
-                        member=self.name,
-                    )
                 seq = self._sequence(cache)
+                self._held[seq] = job.start + len(job.ids)
                 ll.llama_memory_seq_rm(self._memory, seq, job.start, -1)
                 for k, token in enumerate(job.ids):
                     batch.token[i] = token
@@ -325,7 +332,7 @@ class LlamaCppMember(Member):
             status = ll.llama_decode(self._ctx, batch)
             if status != 0:
                 for job in jobs:  # nothing was written for certain: these sequences hold their start only
-                    job.cache.length = job.start
+                    job.cache.length = self._held[job.cache.seq] = job.start
                 raise MemberError(
                     f"member {self.name!r}: llama_decode failed ({status}) on {total} tokens; the context holds "
                     f"{self.context_window} positions for all requests together",
@@ -343,6 +350,19 @@ class LlamaCppMember(Member):
                 job.cache.length = job.start + len(job.ids)
                 i += len(job.ids)
         return out
+
+    def _check_room(self, jobs: Sequence[Job]) -> None:
+        """Refuse a pass that would hold more positions than the context has, before llama.cpp sees it (the
+        scheduler admits requests so that this does not happen: `Generation.reserved_positions`)."""
+        after = dict(self._held)
+        for job in jobs:
+            after[job.cache.seq if job.cache.seq is not None else -1 - id(job)] = job.start + len(job.ids)
+        if sum(after.values()) > self.positions:
+            raise MemberError(
+                f"member {self.name!r}: its requests would hold {sum(after.values())} positions, more than the "
+                f"{self.positions} its llama.cpp context shares among them; lower max_batch_size or max_new_tokens",
+                member=self.name,
+            )
 
     def forward(self, ids: list[int], cache: Any, keep: int = 1) -> torch.Tensor:
         """Logits (float32) of the last `keep` of `ids`, appended to what `cache` already holds."""

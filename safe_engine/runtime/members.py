@@ -55,6 +55,9 @@ class Member:
     """One model of the ensemble: model + tokenizer + the byte view of its vocabulary."""
 
     backend = "torch"  # where its forwards run: "torch" here, "llama.cpp" / "ray" for the other runtimes
+    # KV positions that all of this member's requests share (a llama.cpp context), which the scheduler admits
+    # requests against; None: each request's cache grows on its own
+    positions: int | None = None
 
     def __init__(self, model: Any, tokenizer: Any, name: str | None = None, chat_template: str | None = None):
         if not callable(getattr(model, "forward", None)) or not hasattr(model, "config"):

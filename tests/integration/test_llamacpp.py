@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from safe_engine import ConfigError, Ensemble, MemberError, ModelLoadError, ModelSpec
+from safe_engine.engine import scheduler
 from safe_engine.runtime import demo_models, llamacpp
 from safe_engine.runtime.llamacpp import LlamaCppMember, load_llamacpp_member
 from safe_engine.runtime.members import Member, crop_cache, load_member
@@ -111,6 +112,51 @@ def test_the_sequences_run_out_with_a_clear_error():
     member.release(first)
     member.forward([1, 2], second)  # the released sequence serves the next request
     member.release(second)
+
+
+def test_a_pass_that_would_overfill_the_shared_context_is_refused_before_llama_cpp_sees_it():
+    """The context's positions are shared by its requests: a pass that would hold more is a MemberError, raised
+    before `llama_decode` (which would fail natively), and the sequences stay usable at what they held."""
+    member = LlamaCppMember(demo_models.gguf_path("smollm2-135m"), _tokenizer("smollm2-135m"), context=64)
+    assert (member.context_window, member.positions) == (64, 4096)
+    small = LlamaCppMember(demo_models.gguf_path("smollm2-135m"), _tokenizer("smollm2-135m"), positions=1)
+    assert small.positions == small.context_window == 4096  # the pool holds at least one request's window
+    member.positions = 48  # as if the context were that small: two requests of 30 positions do not fit
+    first, second = member.new_cache(), member.new_cache()
+    before = member.forward(list(range(100, 130)), first)
+    with pytest.raises(MemberError, match="would hold 60 positions, more than the 48"):
+        member.forward(list(range(100, 130)), second)
+    assert second.length == 0
+    member.forward([5], first)  # first goes on from its 30 positions
+    crop_cache(first, 29)
+    assert torch.equal(member.forward([129], first), before)  # and reads what it read before
+    member.release(first)
+    member.forward(list(range(100, 130)), second)  # the room the first freed serves the second
+    member.release(second)
+
+
+def test_the_scheduler_admits_llama_cpp_requests_as_their_positions_fit(smol, monkeypatch):
+    """Requests whose reserved positions together exceed the shared context wait for room instead of failing
+    inside llama.cpp. (Answers decoded together may differ from their solo text: batch variance,
+    docs/llamacpp.md; the one that waits runs alone, so its text is its solo text.)"""
+    ens = Ensemble([smol, smol], max_batch_size=4)
+    prompts = [STORY, "The capital of France is", "Three colours are"]
+    alone = [ens.generate(p, max_new_tokens=20, method="single").text for p in prompts]
+    rounds: list[list[int]] = []  # each round's requests, by their reserved positions
+    run_round = scheduler.run_round
+    monkeypatch.setattr(
+        scheduler,
+        "run_round",
+        lambda gens: (rounds.append([g.reserved_positions()[0][1] for g in gens]), run_round(gens))[1],
+    )
+    ens.generate_batch(prompts, max_new_tokens=20, method="single")
+    first = rounds[0]
+    assert len(first) == 3 and all(20 < n <= 20 + 5 + 1 + 15 for n in first)  # prompt + budget + a draft's lookahead
+    rounds.clear()
+    monkeypatch.setattr(smol, "positions", first[0] + first[1])  # room for the first two, not the third
+    together = ens.generate_batch(prompts, max_new_tokens=20, method="single")
+    assert all(r.stats.tokens == 20 for r in together) and together[2].text == alone[2]
+    assert max(len(r) for r in rounds) == 2 and rounds[-1] == [first[2]]  # the third ran once there was room
 
 
 def test_a_tokenizer_that_does_not_spell_the_gguf_is_refused():
