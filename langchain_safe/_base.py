@@ -11,7 +11,7 @@ from safe_engine import Ensemble, GenerationResult, ModelSpec, Request
 from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, from_validation_error
 from safe_engine.knobs import UNSET_SAMPLING, adapted
-from safe_engine.shaping.request import check_known_fields, request_for_call
+from safe_engine.shaping.request import check_known_fields, request_for_call, show_preset, standing_options
 from safe_engine.stats import TokenLogprob, chat_logprobs, completion_logprobs
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ _KNOBS = adapted(
         },
     }
 )
-#: GenerationConfig fields exposed as model fields and per-call keyword arguments.
+#: GenerationConfig fields and `preset`, exposed as model fields and per-call keyword arguments.
 KNOBS: tuple[str, ...] = tuple(k.name for k in _KNOBS)
 _KNOB_FIELDS: dict[str, Any] = {k.name: (k.type, Field(k.default, alias=k.alias, description=k.doc)) for k in _KNOBS}
 _GenerationKnobs: type[BaseModel] = create_model("GenerationKnobs", **_KNOB_FIELDS)
@@ -99,6 +99,7 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
         options = {k: getattr(self, k) for k in LOAD_OPTIONS}
         self._holder = LazyEnsemble(self.ensemble, self.models, owner=type(self).__name__, **options)
         self._request(None, {}, prompt=" ")  # validates the knobs now, not at the first call
+        show_preset(self, KNOBS)
         return self
 
     # -- the ensemble ----------------------------------------------------------------------------------
@@ -137,7 +138,7 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
         call = {k: v for k, v in kwargs.items() if k not in _IGNORED_CALL_KWARGS}
         if stop is not None:
             call["stop"] = stop
-        settings = {k: getattr(self, k) for k in KNOBS} | {"top_logprobs": self.top_logprobs}
+        settings = standing_options(self, KNOBS) | {"top_logprobs": self.top_logprobs}
         return request_for_call(settings, call, **inputs)
 
     def _generation_info(

@@ -26,9 +26,11 @@ class SafeLLM(SafeParams, BaseLLM):
     Every generation knob (`method`, `aggregation`, `draft_length`, `top_k`, `sharpening`,
     `sharpen_threshold`, `max_new_tokens`/`max_tokens`, `temperature`, `top_p`, `do_sample`, `seed`,
     `gates`, `trace`, `timeout_s`/`timeout`: every `GenerationConfig` field) is a field and can be
-    overridden per call as a keyword argument; `timeout` is enforced (`GenerationTimeout`). Streaming
-    yields verified text only, and `on_llm_new_token` receives exactly those deltas. `generation_info`
-    carries `finish_reason`, `ensemble_rate` (the paper's E/T) and the full `stats`.
+    overridden per call as a keyword argument; `timeout` is enforced (`GenerationTimeout`).
+    `preset="paper-unite"` / `"paper-gac"` (a field or per call) is the paper's configuration under the
+    fields and options set explicitly (`safe_engine.presets`). Streaming yields verified text only, and
+    `on_llm_new_token` receives exactly those deltas. `generation_info` carries `finish_reason`,
+    `ensemble_rate` (the paper's E/T) and the full `stats`.
     """
 
     @property

@@ -58,16 +58,17 @@ from llama_index.core.prompts import PromptTemplate
 from safe_engine import Ensemble, GenerationResult, ModelSpec, Request, StreamEvent
 from safe_engine.engine.lazy import LOAD_OPTIONS, LazyEnsemble
 from safe_engine.errors import ConfigError, ToolCallError, from_validation_error
-from safe_engine.knobs import KNOB_NAMES, UNSET_SAMPLING, adapted
+from safe_engine.knobs import OPTION_NAMES, UNSET_SAMPLING, adapted
 from safe_engine.runtime.llamacpp import peek_window
 from safe_engine.runtime.members import peek_spec
-from safe_engine.shaping.request import check_known_fields, request_for_call
+from safe_engine.shaping.request import check_known_fields, request_for_call, show_preset, standing_options
 from safe_engine.stats import TokenLogprob
 
 from ._messages import engine_message, reply_message, tool_schema, tool_selections
 
-#: Names of the engine's generation options; per-call keyword arguments with these names override fields.
-GENERATION_OPTIONS: tuple[str, ...] = KNOB_NAMES
+#: Names of the engine's generation options (GenerationConfig's fields and `preset`); per-call keyword
+#: arguments with these names override fields.
+GENERATION_OPTIONS: tuple[str, ...] = OPTION_NAMES
 # GenerationConfig's fields, with LlamaIndex's conventions: stop strings as a list, `timeout` in seconds.
 _KNOBS = adapted(
     {
@@ -103,6 +104,8 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
     `weights`, `device_map`, `dtype`, `quantization`, `backend` and `trust_remote_code`). Generation options (every
     `GenerationConfig` field) are fields and can be overridden per call:
     `llm.complete(prompt, max_new_tokens=32, method="every_token")`; `timeout` is enforced per generation.
+    `preset="paper-unite"` / `"paper-gac"` (a field or per call) is the paper's configuration under the
+    options set explicitly (`safe_engine.presets`).
 
     Tools: `chat_with_tools` / `FunctionAgent` / `structured_predict` work through the members' chat
     templates; a reply's calls are `ToolCallBlock`s of its message (`get_tool_calls_from_response`), calls
@@ -186,6 +189,7 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
     @model_validator(mode="after")
     def _check_options(self) -> SafeLLM:
         self._request({}, prompt=" ")  # the engine's own checks, at construction time
+        show_preset(self, GENERATION_OPTIONS)
         return self
 
     @classmethod
@@ -260,8 +264,9 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
         """The engine's `Request` for one call: the fields, overridden by the call's options (any
         `build_request` keyword, under the engine's shared semantics: temperature 0 = greedy, max_tokens,
         timeout), for the prompt or messages in `inputs`."""
-        settings = {name: getattr(self, name) for name in GENERATION_OPTIONS}
-        settings |= {"top_logprobs": self.top_logprobs, "stop": tuple(self.stop)}
+        settings = standing_options(self, GENERATION_OPTIONS) | {"top_logprobs": self.top_logprobs}
+        if "stop" in settings:
+            settings["stop"] = tuple(self.stop)
         return request_for_call(settings, kwargs, **inputs)
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:

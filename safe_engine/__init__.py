@@ -2,7 +2,7 @@
 
 The layers, each importing only from those listed before it (tests/unit/test_layers.py checks it):
 
-    errors, config, stats, knobs   what every layer shares: errors, settings, results
+    errors, presets, config, stats, knobs   what every layer shares: errors, settings, results
     runtime/     members (model + tokenizer + KV cache), vocabularies, packed forwards, loading, Ray
     shaping/     chat templates, tools, grammars, the Request and its Reply
     algorithm/   alignment → aggregation → decision → the decoding round

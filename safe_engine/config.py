@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import ConfigError, InputTypeError
+from .presets import preset_values
 
 METHODS = ("safe", "every_token", "single")
 GATES = ("boundary", "consensus")  # SAFE's two conditions; each alone is the paper's ablation
@@ -33,7 +34,9 @@ GREEDY = SamplingParams()
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """How to decode. Defaults follow the SAFE paper (n = 5, k = 10, λ = 0.1, greedy)."""
+    """How to decode. Defaults follow the SAFE paper (n = 5, k = 10, λ = 0.1, greedy) with this project's
+    additions on (adaptive drafts, token healing); the paper's own configurations are presets
+    (`from_preset("paper-unite")`, `safe_engine.presets`), so they stay reachable when the defaults move."""
 
     # Each field's metadata holds its one-line "doc" (the adapters' field descriptions, the CLI's help) and
     # optional "cli" hints for its flag; safe_engine.knobs derives both from here.
@@ -52,12 +55,9 @@ class GenerationConfig:
     sharpen_threshold: float = field(default=0.1, metadata={"doc": "threshold λ of the heuristic sharpening"})
     max_new_tokens: int = field(default=256, metadata={"doc": "most tokens to generate"})
     stop: tuple[str, ...] = field(default=(), metadata={"doc": "stop strings (matched across tokens, never emitted)"})
-    # On the CLI both default to "not given": a --temperature above 0 alone samples, as at every door
-    # (`shaping.request`: temperature 0 = greedy, > 0 samples unless do_sample is False).
-    do_sample: bool = field(
-        default=False,
-        metadata={"doc": "sample (exact speculative sampling) instead of greedy", "cli": {"default": None}},
-    )
+    do_sample: bool = field(default=False, metadata={"doc": "sample (exact speculative sampling) instead of greedy"})
+    # A temperature not given leaves decoding greedy, whatever its default (`shaping.request`: temperature 0 =
+    # greedy, > 0 samples unless do_sample is False), so the CLI's help names no default for it.
     temperature: float = field(
         default=1.0,
         metadata={
@@ -262,6 +262,17 @@ class GenerationConfig:
     def sampling(self) -> SamplingParams:
         """The fields that shape a row's distribution (temperature and top-p apply only when sampling)."""
         return SamplingParams(bool(self.do_sample), float(self.temperature), float(self.top_p))
+
+    @classmethod
+    def from_preset(cls, preset: str | None, **fields: Any) -> GenerationConfig:
+        """Preset `preset`'s configuration (`safe_engine.presets`) with `fields` over it (None: the defaults with
+        `fields`): a configuration by name in Python, as `preset=` gives it at every door."""
+        return cls().with_preset(preset).updated(**fields)
+
+    def with_preset(self, preset: str | None) -> GenerationConfig:
+        """A copy with preset `preset`'s values in place of its own (None: unchanged); the one place a preset
+        is applied, so that options given explicitly can go over it (`build_request`)."""
+        return self if preset is None else self.updated(**preset_values(preset))
 
     def updated(self, **overrides: Any) -> GenerationConfig:
         """A copy with some fields replaced; unknown names are an error, not silently ignored."""

@@ -7,6 +7,9 @@ is read from the dataclass: name, type, default and the one-line "doc" in its fi
 
 An adapter adapts a knob where its framework has a convention (`adapted`): LangChain calls
 `max_new_tokens` `max_tokens` and `timeout_s` `timeout`, and means greedy by `temperature=None`.
+
+Beside the knobs, every interface shows `preset` (`PRESET`, `OPTIONS`): not a field, but a name for a bundle of
+field values (`safe_engine.presets`) that the options given explicitly go over.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import config
+from . import config, presets
 
 
 @dataclass(frozen=True)
@@ -69,14 +72,20 @@ def knobs_of(config_class: type) -> tuple[Knob, ...]:
 
 KNOBS: tuple[Knob, ...] = knobs_of(config.GenerationConfig)
 KNOB_NAMES: tuple[str, ...] = tuple(k.name for k in KNOBS)
+#: `build_request`'s `preset`: the base values the knobs given explicitly go over (None: the defaults).
+PRESET = Knob(name="preset", type=str | None, default=None, doc=presets.DOC, cli={"metavar": "NAME"})
+#: What every interface shows: the knobs, then the preset.
+OPTIONS: tuple[Knob, ...] = (*KNOBS, PRESET)
+OPTION_NAMES: tuple[str, ...] = tuple(k.name for k in OPTIONS)
 
 
 def adapted(changes: Mapping[str, Mapping[str, Any]]) -> tuple[Knob, ...]:
-    """The knobs with an adapter's changes to some of them (type, default, doc or alias)."""
+    """The options (the knobs and the preset) with an adapter's changes to some knobs (type, default, doc or
+    alias)."""
     unknown = sorted(set(changes) - set(KNOB_NAMES))
     if unknown:
         raise KeyError(f"no GenerationConfig field(s) {unknown}")
-    return tuple(dataclasses.replace(k, **changes.get(k.name, {})) for k in KNOBS)
+    return tuple(dataclasses.replace(k, **changes.get(k.name, {})) for k in OPTIONS)
 
 
 #: The frameworks' convention for sampling (LangChain's and LlamaIndex's adapters): temperature and do_sample
@@ -102,46 +111,48 @@ def aliases(knobs: tuple[Knob, ...]) -> dict[str, str]:
 
 # -- the CLI ---------------------------------------------------------------------------------------------
 def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per knob (`--draft-length`, ...); see `cli_options` for the values they give.
+    """One flag per option (`--draft-length`, ..., `--preset`); see `cli_options` for the values they give.
 
-    A knob's cli hints may give the flag another default (None: "not given", left to `build_request`).
+    A flag not given leaves no attribute in the parsed arguments (argparse's SUPPRESS): an option not given,
+    which `build_request` takes from the preset or the defaults, so that `--preset paper-unite
+    --adaptive-draft` keeps the adaptive draft the flag asks for. A scalar flag's help names the knob's
+    default, or none where its cli hints say default None (`--temperature`: not given is greedy, not 1.0).
     A bool knob is a switch, unless it has a metavar (`--trace FILE`: the knob is on when the flag is
     given; the command reads the value). A tuple knob is a repeatable flag (`--stop a --stop b`), or a
     comma list with cli list="comma" (`--gates boundary,consensus`; "none" = the empty list). A dict knob is
     a JSON object (`--logit-bias '{"50256": -100}'`). For a knob that may be None, the value "none" means
     None (`--sharpening none`).
     """
-    for knob in KNOBS:
+    for knob in OPTIONS:
         hints = dict(knob.cli)
         style = hints.pop("list", None)
-        kwargs: dict[str, Any] = {"help": hints.pop("help", knob.doc), **hints}
+        shown = hints.pop("default", knob.default)  # the default the help names (None: none)
+        kwargs: dict[str, Any] = {"help": hints.pop("help", knob.doc), **hints, "default": argparse.SUPPRESS}
         if knob.base is bool:
             if "metavar" not in kwargs:  # --x, or --x / --no-x for a knob that is on by default
                 kwargs["action"] = argparse.BooleanOptionalAction if knob.default else "store_true"
-                kwargs.setdefault("default", knob.default)
         elif knob.base is tuple:
             if style != "comma":
                 kwargs["action"] = "append"
                 kwargs["help"] += " (repeatable)"
         else:
             kwargs["type"] = _scalar(knob)
-            kwargs.setdefault("default", knob.default)
-            if kwargs["default"] is not None:
-                kwargs["help"] += f" (default: {kwargs['default']})"
+            if shown is not None:
+                kwargs["help"] += f" (default: {shown})"
         parser.add_argument(knob.flag, **kwargs)
 
 
 def cli_options(args: argparse.Namespace) -> dict[str, Any]:
-    """GenerationConfig keywords from the flags `add_cli_arguments` added."""
+    """`build_request` keywords from the flags `add_cli_arguments` added: the flags given, and only those."""
     options = {}
-    for knob in KNOBS:
+    for knob in OPTIONS:
+        if not hasattr(args, knob.name):  # not given
+            continue
         value = getattr(args, knob.name)
         if knob.base is bool and "metavar" in knob.cli:
-            value = value is not None
+            value = True  # --trace FILE: on; the command writes FILE
         elif knob.base is tuple:
-            if value is None:
-                value = knob.default
-            elif knob.cli.get("list") == "comma":
+            if knob.cli.get("list") == "comma":
                 value = tuple(p for p in value.split(",") if p and p.lower() != "none")
             else:
                 value = tuple(value)

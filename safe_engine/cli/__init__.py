@@ -25,9 +25,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     inputs: dict = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     if args.system and args.chat:
         inputs["messages"].insert(0, {"role": "system", "content": args.system})
-    if args.logprobs is not None and not args.json:
+    knobs = options(args)  # the generation flags given (a flag not given is no attribute of args)
+    if knobs.get("logprobs") is not None and not args.json:
         raise ConfigError("--logprobs is reported in the JSON output only; add --json")
-    request = build_request(**inputs, **request_options(args), **options(args))  # checked before the (slow) load
+    request = build_request(**inputs, **request_options(args), **knobs)  # checked before the (slow) load
     ens = load(args)
     if args.stream and not args.json:
         stream = ens.stream(request)
@@ -49,7 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps({**reply, "stats": result.stats.to_dict()}, ensure_ascii=False))
     else:
         print(stats_line(result, ens), file=sys.stderr)
-    if args.trace is not None:
+    if knobs.get("trace"):
         _write_trace(result, args.trace)
     return 0
 
@@ -64,9 +65,9 @@ def _write_trace(result: GenerationResult, path: str) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    if args.logprobs is not None:
-        raise ConfigError("the interactive chat prints text only; for --logprobs use `generate --json`")
     knobs = options(args)
+    if knobs.get("logprobs") is not None:
+        raise ConfigError("the interactive chat prints text only; for --logprobs use `generate --json`")
     build_request(" ", **knobs)  # checked before the (slow) load
     ens = load(args)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []

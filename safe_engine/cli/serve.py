@@ -63,7 +63,7 @@ def add_parser(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if getattr(args, "trace", None) is not None:
+    if "trace" in options(args):
         raise ConfigError('--trace is per request when serving: send "trace": true in the request body')
     if args.stream_idle_timeout < 0:
         raise ConfigError(f"--stream-idle-timeout must be >= 0 seconds (0: never), got {args.stream_idle_timeout}")

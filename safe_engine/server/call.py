@@ -68,13 +68,13 @@ class Call:
 
     def engine_request(self, req: BaseModel, limit_name: str | None = None, **inputs: Any) -> EngineRequest:
         """The engine's Request (`build_request`, as at every door): OpenAI's fields by the engine's shared
-        semantics, the SAFE knobs by their own names, the server's defaults underneath. `limit_name`: what
-        the request calls its token limit, for the error when it is too large."""
+        semantics, the SAFE knobs by their own names over the request's `preset`, over the server's defaults.
+        `limit_name`: what the request calls its token limit, for the error when it is too large."""
         options = {k: v for k, v in inputs.items() if v is not None}
         for name in ("max_tokens", "temperature", "top_p", "seed", "stop", *LOGPROBS_AND_PENALTIES):
             if getattr(req, name, None) is not None:
                 options[name] = getattr(req, name)
-        options.update(req.model_extra or {})  # the SAFE knobs (parse_request refused any other extra field)
+        options.update(req.model_extra or {})  # SAFE knobs, preset (parse_request refused any other extra field)
         try:
             request = build_request(config=self.state.defaults, **options)
         except SafeEngineError as err:

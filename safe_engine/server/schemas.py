@@ -4,8 +4,8 @@ Why strict: an OpenAI client that sends `best_of=3` or `suffix="..."` to a serve
 them gets an answer to a question it did not ask. So every field of OpenAI's chat and completions APIs is
 either mapped onto the engine, accepted because it cannot change the output (`user`, `metadata`, ...), or
 accepted only at its neutral value (`best_of=1`, `modalities=["text"]`, ...). Unknown fields
-are refused too, except the SAFE knobs (`method`, `aggregation`, ...), which clients send as extra body
-fields (`extra_body=` in the openai SDK, LangChain and LlamaIndex).
+are refused too, except the SAFE knobs (`method`, `aggregation`, ...) and `preset`, which clients send as
+extra body fields (`extra_body=` in the openai SDK, LangChain and LlamaIndex).
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ MAX_CHOICES = 64
 _OPENAI_NAMED: tuple[str, ...] = ("max_new_tokens", "stop", "temperature", "top_p", "seed", "logprobs")
 _OPENAI_NAMED += ("frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")  # fields below
 SAFE_KNOBS = tuple(f.name for f in fields(GenerationConfig) if f.name not in _OPENAI_NAMED)
+#: The extra body fields a request may send: the SAFE knobs, and `preset` (a named bundle of knob values under
+#: the request's own, `safe_engine.presets`).
+EXTRA_FIELDS = (*SAFE_KNOBS, "preset")
 
 # Fields that only label or route a request, with no effect on what is generated: accepted, not used.
 BOOKKEEPING = ("user", "metadata", "safety_identifier", "prompt_cache_key")
@@ -117,7 +120,7 @@ class StreamOptions(_Model):
 # -- requests ----------------------------------------------------------------------------------------------
 class _Request(BaseModel):
     """Fields common to both endpoints. Extra fields are collected (`model_extra`) and checked against
-    SAFE_KNOBS by `check_extra_fields`, so a typo is a 400, not a silently ignored knob."""
+    EXTRA_FIELDS by `check_extra_fields`, so a typo is a 400, not a silently ignored knob."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -226,11 +229,12 @@ def parse_request(cls: type[BaseModel], body: dict[str, Any]) -> BaseModel:
 
 
 def check_extra_fields(request: BaseModel) -> None:
-    unknown = sorted(set(request.model_extra or {}) - set(SAFE_KNOBS))
+    unknown = sorted(set(request.model_extra or {}) - set(EXTRA_FIELDS))
     if unknown:
         raise RequestError(
             400,
-            f"unknown field {unknown[0]!r}; this server accepts OpenAI's fields and the SAFE knobs {list(SAFE_KNOBS)}",
+            f"unknown field {unknown[0]!r}; this server accepts OpenAI's fields, the SAFE knobs {list(SAFE_KNOBS)} "
+            "and preset",
             param=unknown[0],
             code="unknown_parameter",
         )

@@ -14,6 +14,7 @@ semantics lives here:
 | `top_p`, `seed` | nucleus threshold and sampling seed (used when sampling) |
 | `logprobs` | an int k: each token's logprob and k alternatives; True (+ `top_logprobs=k`): OpenAI's chat form |
 | penalties, `logit_bias` | per member, in its own tokens; `logit_bias` in the drafter's token ids |
+| `preset` | a named bundle of field values (`safe_engine.presets`) over `config`; options given explicitly win |
 | anything else | a `GenerationConfig` field by its own name, or a `ConfigError` naming the unknown option |
 """
 
@@ -27,6 +28,7 @@ from typing import Any, cast
 
 from ..config import MAX_TOP_LOGPROBS, GenerationConfig
 from ..errors import ConfigError, InputError, InputTypeError, SafeEngineError
+from ..presets import preset_values
 from ..runtime.members import Member
 from .chat import chat_prompt_ids, check_text, validate_messages
 from .constrained import Grammar
@@ -50,6 +52,24 @@ def request_for_call(settings: Mapping[str, Any], call: Mapping[str, Any], **inp
         options.pop(ALIASES.get(key, key), None)
         options[key] = value
     return build_request(**inputs, **options)
+
+
+def standing_options(model: Any, names: Sequence[str]) -> dict[str, Any]:
+    """A framework model's standing options for `request_for_call`: those of its fields `names` (the knobs and
+    `preset`) that its caller set (pydantic's `model_fields_set`). Why not the others: a field left at its
+    default is no option given, so that a preset (the model's or a call's) supplies it, as at every door."""
+    return {name: getattr(model, name) for name in names if name in model.model_fields_set}
+
+
+def show_preset(model: Any, names: Sequence[str]) -> None:
+    """Show a framework model's `preset` in its fields: each of `names` that its caller did not set takes the
+    preset's value, still not set (so a call's own preset replaces it). Why: the fields then read, and
+    serialise (LlamaIndex's `to_dict`), as the configuration the model decodes with."""
+    if model.preset is None:
+        return
+    for name, value in preset_values(model.preset).items():
+        if name in names and name not in model.model_fields_set:
+            model.__dict__[name] = value  # not setattr: pydantic would count the field as set
 
 
 def check_known_fields(owner: Any, data: Any, tolerated: frozenset[str] = frozenset()) -> None:
@@ -110,6 +130,7 @@ def build_request(
     response_format: Mapping[str, Any] | str | None = None,
     grammar: Grammar | None = None,
     config: GenerationConfig | None = None,
+    preset: str | None = None,
     **options: Any,
 ) -> Request:
     """The one place a request is assembled and validated; every door calls it.
@@ -122,7 +143,8 @@ def build_request(
     `additionalProperties` takes only the keys it names (response_format's `"strict": false` keeps JSON
     Schema's meaning); `grammar` to any llguidance grammar
     (`Grammar.lark(...)`, for research; not with tools or JSON). `options` are GenerationConfig fields or their
-    aliases (module docstring), overriding `config`.
+    aliases (module docstring), overriding `preset` (a name from `safe_engine.presets`: the paper's
+    configurations), whose values override `config` (default: `GenerationConfig()`).
     """
     if (prompt is None) == (messages is None):
         raise InputError("pass exactly one of a prompt string or messages=[...]")
@@ -134,7 +156,7 @@ def build_request(
         check_text(prompt, "the prompt")
     with _about("messages"):
         checked = validate_messages(messages) if messages is not None else None
-    config = _config(config, options)
+    config = _config(config, preset, options)
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise ConfigError(
             f"parallel_tool_calls must be True or False, got {parallel_tool_calls!r}", option="parallel_tool_calls"
@@ -205,11 +227,12 @@ def _about(option: str) -> Iterator[None]:
         raise
 
 
-def _config(base: GenerationConfig | None, options: dict[str, Any]) -> GenerationConfig:
-    """`base` with `options` applied under the shared semantics (aliases, temperature 0 = greedy)."""
+def _config(base: GenerationConfig | None, preset: str | None, options: dict[str, Any]) -> GenerationConfig:
+    """`base` with `preset`'s values, then `options` applied under the shared semantics (aliases, temperature
+    0 = greedy): an option given explicitly beats the preset."""
     if base is not None and not isinstance(base, GenerationConfig):
         raise InputTypeError(f"config must be a GenerationConfig, got {type(base).__name__}")
-    base = base or GenerationConfig()
+    base = (base or GenerationConfig()).with_preset(preset)
     options = _logprobs(options)
     values: dict[str, Any] = {}
     spelled: dict[str, str] = {}  # field -> the name the caller used (for messages)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,9 @@ from openai import InternalServerError, LengthFinishReasonError, OpenAI
 from langchain_safe import ChatSafe
 from langchain_safe import SafeLLM as LangChainLLM
 from llamaindex_safe import SafeLLM as IndexLLM
-from safe_engine import ConfigError, GenerationResult, GenerationTimeout
+from safe_engine import ConfigError, Ensemble, GenerationConfig, GenerationResult, GenerationTimeout
+from safe_engine.cli import main
+from safe_engine.presets import PRESETS
 
 from .conftest import KEY, MODEL
 
@@ -98,6 +101,10 @@ CASES: dict[str, dict[str, Any]] = {
     "repetition penalty": {"repetition_penalty": 0.3},  # vLLM's extra field over HTTP
     "logit_bias": {"logit_bias": {"15": 100}},  # the drafter's (Qwen's) "0"
     "logit_bias bars tokens": {"logit_bias": {"15": -100, "16": -100}},
+    # the paper's configurations by name (safe_engine.presets); a field given goes over the preset's
+    "preset paper-unite": {"preset": "paper-unite"},
+    "preset paper-gac": {"preset": "paper-gac"},
+    "preset, fields given": {"preset": "paper-gac", "draft_length": 3, "token_healing": True},
 }
 OPENAI_FIELDS = {"max_tokens", "temperature", "top_p", "seed", "stop", "tools", "tool_choice", "parallel_tool_calls"}
 OPENAI_FIELDS |= {"response_format", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs"}
@@ -271,6 +278,15 @@ def test_the_matrix_checks_what_it_claims(served, expected):
     assert expected["loop guard, no token healing"][2] == "stop" and unguarded[2] == "length"
     assert unguarded[0].startswith(expected["loop guard, no token healing"][0])
     assert expected["loop steering"] != engine(served, _request("greedy") | steering | {"loop_steer": None})
+    # a preset decodes as its values spelled out, unlike the defaults (here: token healing off); a field given
+    # goes over the preset's
+    for name, values in PRESETS.items():
+        assert expected[f"preset {name}"] == engine(served, _request("greedy") | values), name
+    assert expected["preset paper-unite"] != expected["greedy"]
+    assert expected["preset paper-gac"] != expected["aggregation gac"]
+    given = {k: v for k, v in CASES["preset, fields given"].items() if k != "preset"}
+    assert expected["preset, fields given"] == engine(served, _request("greedy") | PRESETS["paper-gac"] | given)
+    assert expected["preset, fields given"] != expected["preset paper-gac"]
 
 
 # -- logprobs: every door reports the engine's, in its framework's shape ------------------------------------------
@@ -368,6 +384,7 @@ def test_every_completion_door_gives_the_engines_logprobs(served):
 
 # -- completions: SafeLLM, LlamaIndex complete, /v1/completions, the CLI --------------------------------------------
 COMPLETION_CASES = ["greedy", "seeded sampling", "stop", "method every_token", "geometric sharpening"]
+COMPLETION_CASES += ["preset paper-unite", "preset paper-gac"]
 
 
 def _completion_doors(served, kwargs) -> dict[str, tuple[str, str]]:
@@ -425,6 +442,8 @@ CLI_CASES = [
     "tool_choice named",
     "json_schema",
     "loop steering",
+    "preset paper-unite",
+    "preset paper-gac",
 ]
 
 
@@ -474,4 +493,118 @@ def test_a_timeout_ends_the_generation_at_every_door(served):
     with pytest.raises(InternalServerError) as err:  # 504, OpenAI's shape, naming the knob
         _client(served).chat.completions.create(model=MODEL, messages=CHAT, extra_body={"timeout_s": 1e-9})
     assert err.value.status_code == 504 and err.value.body["param"] == "timeout_s"
+    served.wait_idle()
+
+
+# -- presets: every door decodes with the preset's configuration, the fields given over it --------------------------
+def _spy(monkeypatch: pytest.MonkeyPatch, ens: Ensemble) -> list[GenerationConfig]:
+    """The GenerationConfig of every request `ens` starts from now on: every door's requests, the server's
+    (in this process) included, start at `Ensemble._start`."""
+    used: list[GenerationConfig] = []
+    start = ens._start
+
+    def spy(request):
+        used.append(request.config)
+        return start(request)
+
+    monkeypatch.setattr(ens, "_start", spy)
+    return used
+
+
+def _configs_at_every_door(served, monkeypatch, capsys, tmp_path, preset: str, given: dict[str, Any]) -> dict:
+    """door -> the configurations its requests ran with, for `preset` and the fields `given`, each door spelling
+    them its own way (a framework: fields, call options, or fields with the preset per call)."""
+    used = _spy(monkeypatch, served.ens)
+    monkeypatch.setattr("safe_engine.cli.load", lambda args: served.ens)  # the CLI's own parsing, this ensemble
+    kwargs = {"max_tokens": N, "preset": preset, **given}
+    fields = {"max_new_tokens": N, "preset": preset, **given}  # LlamaIndex's field has no max_tokens alias
+    messages = [ChatMessage(role=m["role"], content=m["content"]) for m in CHAT]
+    client = _client(served)
+    cli = ["generate", "-m", "unused", "--json", "--max-new-tokens", str(N), "--preset", preset]
+    cli += [*_flags(given, tmp_path), PROMPT]
+    doors = {
+        "engine generate": lambda: served.ens.generate(messages=CHAT, **kwargs),
+        "engine generate_batch": lambda: served.ens.generate_batch([PROMPT, CHAT], **kwargs),
+        "engine stream": lambda: "".join(served.ens.stream(PROMPT, **kwargs)),
+        "engine astream": lambda: asyncio.run(served.ens.agenerate(PROMPT, **kwargs)),
+        "GenerationConfig.from_preset": lambda: served.ens.generate(
+            PROMPT, config=GenerationConfig.from_preset(preset, max_new_tokens=N, **given)
+        ),
+        "ChatSafe per call": lambda: ChatSafe(ensemble=served.ens).invoke(LC_CHAT, **kwargs),
+        "ChatSafe fields": lambda: ChatSafe(ensemble=served.ens, **fields).invoke(LC_CHAT),
+        "ChatSafe fields, preset per call": lambda: ChatSafe(ensemble=served.ens, max_new_tokens=N, **given).invoke(
+            LC_CHAT, preset=preset
+        ),
+        "LangChain SafeLLM per call": lambda: LangChainLLM(ensemble=served.ens).invoke(PROMPT, **kwargs),
+        "LangChain SafeLLM fields": lambda: LangChainLLM(ensemble=served.ens, **fields).invoke(PROMPT),
+        "LlamaIndex chat per call": lambda: IndexLLM(ensemble=served.ens).chat(messages, **kwargs),
+        "LlamaIndex complete fields": lambda: IndexLLM(ensemble=served.ens, **fields).complete(PROMPT),
+        "LlamaIndex fields, preset per call": lambda: IndexLLM(ensemble=served.ens, max_new_tokens=N, **given).chat(
+            messages, preset=preset
+        ),
+        "/v1/chat/completions": lambda: client.chat.completions.create(model=MODEL, messages=CHAT, **_openai(kwargs)),
+        "/v1/completions": lambda: client.completions.create(model=MODEL, prompt=PROMPT, **_openai(kwargs)),
+        "/v1/responses": lambda: client.responses.create(
+            model=MODEL, input=QUESTION, max_output_tokens=N, extra_body={"preset": preset, **given}
+        ),
+        "CLI": lambda: main(cli),
+    }
+    configs = {}
+    for door, call in doors.items():
+        before = len(used)
+        call()
+        configs[door] = used[before:]
+    capsys.readouterr()  # the CLI's JSON
+    served.wait_idle()
+    return configs
+
+
+PRESET_CASES = {name: (name, {}) for name in PRESETS} | {
+    "paper-gac, fields given": ("paper-gac", {"draft_length": 3, "token_healing": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(PRESET_CASES))
+def test_every_door_decodes_with_the_presets_configuration(served, monkeypatch, capsys, tmp_path, case):
+    """One test per preset (and one with fields given over it): every door, each way it takes options, runs
+    its requests with one configuration, the preset's values with the fields given over them."""
+    preset, given = PRESET_CASES[case]
+    want = GenerationConfig.from_preset(preset, max_new_tokens=N, **given)
+    assert {k: getattr(want, k) for k in PRESETS[preset]} == PRESETS[preset] | given  # what the doors must reach
+    assert want != GenerationConfig(max_new_tokens=N, **given)  # not the defaults: the check has teeth
+    configs = _configs_at_every_door(served, monkeypatch, capsys, tmp_path, preset, given)
+    assert all(configs.values()), [door for door, used in configs.items() if not used]
+    wrong = {door: used for door, used in configs.items() if any(c != want for c in used)}
+    assert not wrong, f"{case}: these doors decoded with another configuration: {wrong}"
+
+
+def test_an_unknown_preset_is_refused_by_name_at_every_door(served, capsys):
+    """A ConfigError naming the known presets (the server: a 400 with `param: "preset"`, the CLI: exit 2)."""
+    message = r"unknown preset 'paper'; known presets: \['paper-unite', 'paper-gac'\]"
+    refusals = {
+        "engine": lambda: served.ens.generate(messages=CHAT, preset="paper"),
+        "GenerationConfig.from_preset": lambda: GenerationConfig.from_preset("paper"),
+        "ChatSafe field": lambda: ChatSafe(ensemble=served.ens, preset="paper"),
+        "ChatSafe per call": lambda: ChatSafe(ensemble=served.ens).invoke(LC_CHAT, preset="paper"),
+        "LangChain SafeLLM field": lambda: LangChainLLM(ensemble=served.ens, preset="paper"),
+        "LangChain SafeLLM per call": lambda: LangChainLLM(ensemble=served.ens).invoke(PROMPT, preset="paper"),
+        "LlamaIndex field": lambda: IndexLLM(ensemble=served.ens, preset="paper"),
+        "LlamaIndex per call": lambda: IndexLLM(ensemble=served.ens).complete(PROMPT, preset="paper"),
+    }
+    for door, call in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            call()
+            pytest.fail(f"{door} took an unknown preset")
+    from openai import BadRequestError
+
+    for create in (
+        lambda extra: _client(served).chat.completions.create(model=MODEL, messages=CHAT, extra_body=extra),
+        lambda extra: _client(served).completions.create(model=MODEL, prompt=PROMPT, extra_body=extra),
+        lambda extra: _client(served).responses.create(model=MODEL, input=QUESTION, extra_body=extra),
+    ):
+        with pytest.raises(BadRequestError, match=message) as err:
+            create({"preset": "paper"})
+        assert err.value.status_code == 400 and err.value.body["param"] == "preset"
+    assert main(["generate", "-m", "unused", "--preset", "paper", PROMPT]) == 2  # refused before loading
+    assert re.search("safe-engine: error: .*" + message, capsys.readouterr().err)
     served.wait_idle()

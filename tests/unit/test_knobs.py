@@ -7,13 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from langchain_safe import ChatSafe
 from langchain_safe import SafeLLM as LangChainLLM
 from llamaindex_safe import GENERATION_OPTIONS
 from llamaindex_safe import SafeLLM as IndexLLM
 from safe_engine import GenerationConfig, build_request
 from safe_engine.cli import build_parser
-from safe_engine.knobs import KNOBS, cli_options
+from safe_engine.knobs import KNOBS, PRESET, cli_options
+from safe_engine.presets import DOC as PRESET_DOC
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = [f.name for f in dataclasses.fields(GenerationConfig)]
@@ -30,7 +33,10 @@ def test_every_adapter_has_every_knob_with_the_engines_default():
     for model in (ChatSafe, LangChainLLM, IndexLLM):
         assert set(FIELDS) <= set(model.model_fields), model
         assert model.model_fields["top_k"].description == "tokens per member in the UniTE union (k)"
-    assert tuple(FIELDS) == GENERATION_OPTIONS
+    assert (*FIELDS, "preset") == GENERATION_OPTIONS
+    for model in (ChatSafe, LangChainLLM, IndexLLM):  # the preset too: a field, None by default, its doc shared
+        field = model.model_fields["preset"]
+        assert (field.default, field.description) == (None, PRESET_DOC), model
     # LangChain's own conventions, and only those, differ from the engine's defaults
     changed = {n for n in FIELDS if ChatSafe.model_fields[n].default != getattr(DEFAULTS, n)}
     assert changed == {"temperature", "do_sample", "stop"}  # None = greedy / per temperature / no stops
@@ -43,15 +49,29 @@ def test_every_adapter_has_every_knob_with_the_engines_default():
 def test_every_knob_is_a_cli_flag():
     parser = build_parser()
     args = parser.parse_args(["generate", "-m", "x", "hi"])
-    # temperature and do_sample are "not given" (None) unless passed: a --temperature above 0 alone samples
-    assert cli_options(args) == {**dataclasses.asdict(DEFAULTS), "temperature": None, "do_sample": None}
+    # a flag not given is no option given (the defaults', or a preset's): a --temperature above 0 alone samples
+    assert cli_options(args) == {} and build_request("hi", **cli_options(args)).config == DEFAULTS
     argv = ["generate", "-m", "x", "--sharpen-threshold", "0.2", "--timeout-s", "30", "--sharpening", "none"]
     argv += ["--gates", "boundary", "--stop", "a", "--stop", "b", "--trace", "-", "--seed", "3", "hi"]
     options = cli_options(parser.parse_args(argv))
     assert options["sharpen_threshold"] == 0.2 and options["timeout_s"] == 30.0 and options["sharpening"] is None
     assert options["gates"] == ("boundary",) and options["stop"] == ("a", "b") and options["trace"] is True
+    assert set(options) == {"sharpen_threshold", "timeout_s", "sharpening", "gates", "stop", "trace", "seed"}
     build_request("hi", **options)
     assert cli_options(parser.parse_args(["generate", "-m", "x", "--gates", "none", "hi"]))["gates"] == ()
+
+
+def test_the_preset_is_a_cli_flag_and_flags_given_go_over_it(capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--help"])
+    assert "--preset NAME" in capsys.readouterr().out and PRESET.doc == PRESET_DOC  # the help: the knob's doc
+    argv = ["generate", "-m", "x", "--preset", "paper-unite", "--adaptive-draft", "--draft-length", "5", "hi"]
+    options = cli_options(parser.parse_args(argv))
+    assert options == {"preset": "paper-unite", "adaptive_draft": True, "draft_length": 5}
+    config = build_request("hi", **options).config
+    assert config == GenerationConfig.from_preset("paper-unite", adaptive_draft=True)
+    assert config.adaptive_draft is True and config.token_healing is False  # the flag given, the preset's
 
 
 NEW_FIELD = """
@@ -81,9 +101,9 @@ for model in (ChatSafe, SafeLLM):
     assert (field.default, field.description) == (3, "a knob added later"), model
 assert "new_knob" in GENERATION_OPTIONS
 args = build_parser().parse_args(["generate", "-m", "x", "--new-knob", "7", "hi"])
-assert _options(args)["new_knob"] == 7 and _options(args)["new_switch"] is True
+assert _options(args) == {"new_knob": 7}  # a flag not given is no option given
 args = build_parser().parse_args(["generate", "-m", "x", "--no-new-switch", "hi"])
-assert _options(args)["new_switch"] is False
+assert _options(args) == {"new_switch": False}
 print("ok")
 """
 

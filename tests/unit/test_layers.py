@@ -1,7 +1,7 @@
 """The engine's layers, as the tree shows them: no module imports from a layer above its own, and no import
 cycle between modules (function-level imports included). Read from the source with `ast`, nothing imported.
 
-    foundation  errors, config, stats, knobs      what every layer shares: settings, results, errors
+    foundation  errors, presets, config, stats, knobs   what every layer shares: settings, results, errors
     runtime/    members, vocab, rows, packed KV, demo models, Ray members
     shaping/    chat templates, tools, constraints, the Request and its Reply
     algorithm/  alignment, aggregation, decision, the decoding round
@@ -18,6 +18,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "safe_engine"
 LAYERS = {
     "errors": 0,
+    "presets": 0,
     "config": 0,
     "stats": 0,
     "knobs": 0,
