@@ -15,9 +15,11 @@ at "\\nQuestion:", where it would start inventing the next question). Rows (conf
 alone; every-token UniTE and GaC (the faithful baselines: no SAFE gate; GaC keeps its own "drafter's top
 probability < 0.5" gate, as GaC itself does); UniTE+SAFE and GaC+SAFE; the extended rows
 (each SAFE gate alone, UniTE+SAFE sampling at temperature 0.7 with three seeds, SmolLM2 drafting); and with
-gemma: SAFE over three members with each of them drafting; and issue 31's loop-steering rows (`loop_steer`).
-Without --configs the pair's rows run; --three adds the gemma rows. A member is loaded only when a selected row
-needs it.
+gemma: SAFE over three members with each of them drafting; issue 31's loop-steering rows (`loop_steer`); and
+issue 46 item 3's stronger drafter, Qwen2.5-Coder-1.5B-Instruct (the demo model "qwen2.5-coder-1.5b", 1.1 GB):
+alone, and drafting for SmolLM2 with today's defaults. Without --configs the pair's rows run; --three adds the
+gemma rows; the 1.5B rows run only when named in --configs, with --backend llama.cpp (as float32 torch weights it
+would need 6 GB; they are refused there). A member is loaded only when a selected row needs it.
 
 Which problems (the same for every row, deterministic): gsm8k and arc the first LIMIT problems in file order;
 bbh the first LIMIT / len(subtasks) problems of each subtask in file order; mmlu-redux the
@@ -153,6 +155,8 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
     def three(drafter: int = 0) -> Callable[[], Ensemble]:
         return ensemble(qwen, smol, gemma, drafter=drafter)
 
+    qwen15 = partial(member, "qwen2.5-coder-1.5b", backend=args.backend)
+
     sampling = {
         f"UniTE+SAFE sampling (seed {seed})": ens(pair, method="safe", do_sample=True, temperature=0.7, seed=seed)
         for seed in range(args.seed, args.seed + 3)
@@ -178,6 +182,9 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
         "UniTE+SAFE, loop steering": ens(pair, method="safe", aggregation="unite", loop_steer=LOOP_STEER),
         "GaC+SAFE, loop steering": ens(pair, method="safe", aggregation="gac", loop_steer=LOOP_STEER),
         "UniTE+SAFE (3 models), loop steering": ens(three(), method="safe", loop_steer=LOOP_STEER),
+        # issue 46 item 3: a stronger drafter (llama.cpp only; named in --configs)
+        "qwen1.5b alone": single(qwen15),
+        "1.5B + SmolLM2, default": ens(ensemble(qwen15, smol)),  # today's defaults, nothing set
     }
 
 
@@ -188,6 +195,8 @@ _GEMMA_ROWS = (
     "UniTE+SAFE (3 models), gemma drafts",
     "UniTE+SAFE (3 models), loop steering",
 )
+#: Rows with the 1.5B drafter: run only when named, and only in llama.cpp (float32 torch weights would need 6 GB).
+_DRAFTER15_ROWS = ("qwen1.5b alone", "1.5B + SmolLM2, default")
 
 
 def append_timing(path: Path, entry: dict[str, Any]) -> None:
@@ -299,10 +308,16 @@ def main() -> None:
         wanted = set(Path(args.ids).read_text(encoding="utf-8").split())
         problems = [q for q in problems if q.id in wanted]
     factories = config_factories(problems, args)
-    names = args.configs or [n for n in factories if args.three or n not in _GEMMA_ROWS]
+    names = args.configs or [n for n in factories if (args.three or n not in _GEMMA_ROWS) and n not in _DRAFTER15_ROWS]
     unknown = [n for n in names if n not in factories]
     if unknown:
         p.error(f"unknown configuration(s) {unknown}; choose from {list(factories)}")
+    large = [n for n in names if n in _DRAFTER15_ROWS]
+    if large and args.backend != "llama.cpp":
+        p.error(
+            f"{large} run the 1.5B drafter, which only --backend llama.cpp runs here (as float32 torch weights it "
+            "would need a 6 GB conversion)"
+        )
 
     # `kill` stops a run as Ctrl-C does (the records so far and the run's times are kept); a shell ignores
     # SIGINT for background jobs, so SIGINT reaches a run started with `&` only if it listens itself

@@ -93,9 +93,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     if args.action == "fetch":
-        for name in args.names or list(demo_models.DEMO_MODELS):
+        default = [name for name, spec in demo_models.DEMO_MODELS.items() if spec.fetch_by_default]
+        for name in args.names or default:
             started = time.perf_counter()
-            path = demo_models.model_dir(name, verify=True)  # an altered cached file is rebuilt
+            if args.gguf:  # fetch re-hashes a cached GGUF; an altered one is fetched again
+                path = demo_models.fetch(name)
+                demo_models.tokenizer_dir(path, demo_models.DEMO_MODELS[name].sha256)
+            else:
+                path = demo_models.model_dir(name, verify=True)  # an altered cached file is rebuilt
             print(f"{name}: {path} ({time.perf_counter() - started:.1f} s)")
         return 0
     for row in demo_models.list_models():
@@ -157,8 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     models = sub.add_parser("models", help="the offline demo models")
-    models.add_argument("action", choices=["fetch", "list"])
-    models.add_argument("names", nargs="*", metavar="NAME")
+    actions = models.add_subparsers(dest="action", required=True)
+    fetch = actions.add_parser("fetch", help="fetch, verify and convert demo models")
+    fetch.add_argument(
+        "names", nargs="*", metavar="NAME", help="demo models to fetch (default: all but the large qwen2.5-coder-1.5b)"
+    )
+    fetch.add_argument(
+        "--gguf",
+        action="store_true",
+        help="fetch and verify the GGUF and save its tokenizer only (what a llama.cpp member runs), with no float32 "
+        "conversion",
+    )
+    actions.add_parser("list", help="the demo models and what is cached")
     models.set_defaults(func=cmd_models)
 
     ev = sub.add_parser("eval", help="benchmark accuracy of several configurations")

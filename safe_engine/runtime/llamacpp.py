@@ -458,7 +458,8 @@ def peek_window(spec: str | ModelSpec, backend: str, window: int | None) -> int 
 
 
 def load_llamacpp_member(spec: ModelSpec, device: str | None = None, dtype: Any = None) -> LlamaCppMember:
-    """A llama.cpp member from a GGUF spec; its tokenizer comes from the engine's conversion of the file."""
+    """A llama.cpp member from a GGUF spec; its tokenizer is the file's own, saved once by transformers
+    (`demo_models.tokenizer_dir`: the weights are never converted)."""
     from transformers import AutoTokenizer
 
     gguf = gguf_source(spec)
@@ -474,7 +475,7 @@ def load_llamacpp_member(spec: ModelSpec, device: str | None = None, dtype: Any 
         )
     if (spec.device or device) not in (None, "cpu"):
         raise ConfigError(f"backend='llama.cpp' members run on the CPU here, not {spec.device or device!r}")
-    demo = demo_models.is_demo_name(spec.path)
-    source = demo_models.model_dir(spec.path) if demo else demo_models.convert_gguf(gguf)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    # the tokenizer alone: the weights stay in the GGUF (a converted dir is used when one exists)
+    pinned = demo_models.DEMO_MODELS[spec.path].sha256 if demo_models.is_demo_name(spec.path) else None
+    tokenizer = AutoTokenizer.from_pretrained(demo_models.tokenizer_dir(gguf, pinned))
     return LlamaCppMember(gguf, tokenizer, spec_name(spec), spec.chat_template)

@@ -30,10 +30,12 @@ def study(out: Path, *args: str) -> None:
 
 def test_every_row_of_the_study_runs_resumes_and_is_summarised(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from accuracy import config_factories
+    from accuracy import _DRAFTER15_ROWS, config_factories
 
-    options = argparse.Namespace(max_new_tokens=BUDGET, batch=16, ensemble_batch=8, seed=0)
-    rows = list(config_factories([], options))  # the row names: the factories build nothing until called
+    options = argparse.Namespace(max_new_tokens=BUDGET, batch=16, ensemble_batch=8, seed=0, backend="torch")
+    # the row names (the factories build nothing until called); the 1.5B rows run in llama.cpp only, and its
+    # 1.1 GB file is not fetched in CI
+    rows = [row for row in config_factories([], options) if row not in _DRAFTER15_ROWS]
     base = ["benchmarks/accuracy.py", "--task", "mmlu-redux", "--limit", "2", "--threads", "1"]
     base += ["--max-new-tokens", str(BUDGET), "--out", str(tmp_path)]
     study(tmp_path, *base, "--configs", *rows)

@@ -91,6 +91,29 @@ def test_chat_template_presence(pair):
         assert original_tok.chat_template is None
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_the_tokenizer_saved_alone_is_the_converted_dirs(name, tmp_path, monkeypatch):
+    """A llama.cpp member reads the GGUF's tokenizer saved alone (tokenizer_dir: no float32 copy of the weights),
+    which must be the tokenizer the conversion saves."""
+    converted = transformers.AutoTokenizer.from_pretrained(str(dm.model_dir(name, progress=False)))
+    gguf = dm.fetch(name, progress=False)
+    monkeypatch.setenv("SAFE_ENGINE_CACHE", str(tmp_path / "cache"))  # an empty cache: no converted dir there
+    directory = dm.tokenizer_dir(gguf)
+    assert directory == tmp_path / "cache" / "tokenizers" / dm.DEMO_MODELS[name].sha256[:16]
+    assert not (tmp_path / "cache" / "gguf").exists() and not any(directory.glob("*.safetensors"))
+    alone = transformers.AutoTokenizer.from_pretrained(str(directory))
+    for text in TEXTS:
+        ids = converted.encode(text)
+        assert alone.encode(text) == ids, text
+        assert alone.decode(ids) == converted.decode(ids)
+    assert (len(alone), alone.eos_token_id, alone.bos_token_id) == (
+        len(converted),
+        converted.eos_token_id,
+        converted.bos_token_id,
+    )
+    assert alone.chat_template == converted.chat_template
+
+
 def test_fetch_again_is_verified_and_cached():
     path = dm.fetch("smollm2-135m", progress=False)
     dm.verify_sha256(path, dm.DEMO_MODELS["smollm2-135m"].sha256)

@@ -210,6 +210,35 @@ def test_the_cli_runs_llama_cpp_members():
     assert out.stdout.strip()
 
 
+STRONGER = "qwen2.5-coder-1.5b"
+
+
+@pytest.mark.skipif(
+    not demo_models.gguf_path(STRONGER).is_file(),
+    reason=f"{STRONGER} (1.1 GB) is not fetched, and CI does not fetch it: "
+    f"`safe-engine models fetch --gguf {STRONGER}` does",
+)
+def test_the_stronger_drafter_runs_in_llama_cpp_as_llama_cpp_python_does():
+    """The 1.5B demo model loads in llama.cpp with its tokenizer saved alone (the vocabulary check at load passes;
+    no float32 copy is made), its greedy `single` is llama-cpp-python's own greedy text, it shares the 0.5B's
+    tokenizer, and it drafts for SmolLM2."""
+    converted = demo_models.cache_root() / "gguf" / demo_models.DEMO_MODELS[STRONGER].sha256[:16]
+    had_conversion = converted.exists()
+    big = load_llamacpp_member(ModelSpec(STRONGER))
+    assert big.backend == "llama.cpp" and converted.exists() == had_conversion  # never converted by a load
+    small = _tokenizer("qwen2.5-coder-0.5b")
+    assert len(big.tokenizer) == len(small)
+    assert all(big.tokenizer.encode(t) == small.encode(t) for t in (STORY, CHAT[0]["content"], "def f(x):\n\treturn x"))
+    ens = Ensemble([big])
+    request = ens.request(messages=CHAT, max_new_tokens=16, method="single")
+    result = ens.generate(request)
+    assert result.stats.tokens == 16
+    assert result.text == own_greedy(big, request.encode(big), result.stats.tokens)
+    pair = Ensemble([big, load_llamacpp_member(ModelSpec("smollm2-135m"))])
+    safe = pair.generate(messages=CHAT, max_new_tokens=8)
+    assert pair.drafter is big and safe.stats.tokens == 8 and safe.text.strip()
+
+
 def _tokenizer(name: str):
     from transformers import AutoTokenizer
 

