@@ -119,12 +119,12 @@ def describe(task: str, limit: int, subtasks: tuple[str, ...]) -> str:
 
 
 @cache
-def member(name: str, quantization: str | None = None, backend: str = "torch") -> Member:
+def member(name: str, quantization: str | None = None, backend: str = "torch", positions: int | None = None) -> Member:
     """A demo member, loaded once (gemma with the plain Question/Answer chat template): float32 (or int8)
     torch weights de-quantised from the demo GGUF, or the GGUF as it is in llama.cpp (issue 46)."""
     spec = ModelSpec(name, chat_template=PLAIN_CHAT if name == "gemma3-270m" else None, quantization=quantization)
     if backend == "llama.cpp":
-        return load_llamacpp_member(spec)
+        return load_llamacpp_member(spec, positions=positions)
     return load_member(spec)
 
 
@@ -132,7 +132,8 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
     """Row name -> a function building that row's configuration (loading its members on first use)."""
     kw: dict[str, Any] = {"max_new_tokens": args.max_new_tokens}
     qwen, smol, gemma = (
-        partial(member, name, backend=args.backend) for name in ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m")
+        partial(member, name, backend=args.backend, positions=args.positions)
+        for name in ("qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m")
     )
 
     def ensemble(*members: Callable[[], Member], drafter: int = 0) -> Callable[[], Ensemble]:
@@ -155,7 +156,7 @@ def config_factories(problems: list[Problem], args: argparse.Namespace) -> dict[
     def three(drafter: int = 0) -> Callable[[], Ensemble]:
         return ensemble(qwen, smol, gemma, drafter=drafter)
 
-    qwen15 = partial(member, "qwen2.5-coder-1.5b", backend=args.backend)
+    qwen15 = partial(member, "qwen2.5-coder-1.5b", backend=args.backend, positions=args.positions)
 
     sampling = {
         f"UniTE+SAFE sampling (seed {seed})": ens(pair, method="safe", do_sample=True, temperature=0.7, seed=seed)
@@ -286,6 +287,12 @@ def main() -> None:
         default="torch",
         help="members as float32 torch weights de-quantised from the demo GGUFs (the study of issue 17) or the "
         "GGUFs as they are in llama.cpp (issue 46); single-model rows then run the engine's greedy `single`",
+    )
+    p.add_argument(
+        "--positions",
+        type=int,
+        help="llama.cpp members: KV positions their context shares among the answers decoded at once (default: "
+        "one window; too few and fewer answers run at once)",
     )
     p.add_argument("--out", default="benchmarks/results", help="folder of the report (and default JSONL)")
     p.add_argument("--jsonl", nargs="+", help="results file(s) (default OUT/TASK.jsonl); runs append to the first")

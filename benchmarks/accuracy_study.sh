@@ -15,6 +15,9 @@ OUT=${OUT:-benchmarks/results/accuracy/study-46}
 LIMIT=${LIMIT:-150}
 TASKS=${TASKS:-gsm8k mmlu-redux arc}
 PYTHON=${PYTHON:-python}
+# KV positions each member's context shares among the 8 answers decoded at once: 8 GSM8K answers of up to 1,024
+# tokens and their prompts (the scheduler admits fewer at once where they would not fit)
+POSITIONS=${POSITIONS:-12288}
 
 lane() {
     local part=$1
@@ -22,7 +25,7 @@ lane() {
     for task in $TASKS; do
         for row in "$@"; do
             "$PYTHON" benchmarks/accuracy.py --task "$task" --limit "$LIMIT" --threads 1 --backend llama.cpp \
-                --configs "$row" --out "$OUT" --jsonl "$OUT/$task.$part.jsonl" || return 1
+                --positions "$POSITIONS" --configs "$row" --out "$OUT" --jsonl "$OUT/$task.$part.jsonl" || return 1
         done
     done
 }

@@ -171,6 +171,7 @@ class LlamaCppMember(Member):
     """A GGUF model in llama.cpp with its Hugging Face tokenizer on the engine's side."""
 
     backend = "llama.cpp"
+    positions: int  # the context's positions, shared by this member's requests (set at load)
 
     def __init__(
         self,
@@ -457,9 +458,13 @@ def peek_window(spec: str | ModelSpec, backend: str, window: int | None) -> int 
     return window
 
 
-def load_llamacpp_member(spec: ModelSpec, device: str | None = None, dtype: Any = None) -> LlamaCppMember:
+def load_llamacpp_member(
+    spec: ModelSpec, device: str | None = None, dtype: Any = None, positions: int | None = None
+) -> LlamaCppMember:
     """A llama.cpp member from a GGUF spec; its tokenizer is the file's own, saved once by transformers
-    (`demo_models.tokenizer_dir`: the weights are never converted)."""
+    (`demo_models.tokenizer_dir`: the weights are never converted). Its context holds `positions` for all its
+    requests together (default: one window, DEFAULT_CONTEXT; more lets more long requests run at once, at the
+    cost of its KV memory)."""
     from transformers import AutoTokenizer
 
     gguf = gguf_source(spec)
@@ -478,4 +483,4 @@ def load_llamacpp_member(spec: ModelSpec, device: str | None = None, dtype: Any 
     # the tokenizer alone: the weights stay in the GGUF (a converted dir is used when one exists)
     pinned = demo_models.DEMO_MODELS[spec.path].sha256 if demo_models.is_demo_name(spec.path) else None
     tokenizer = AutoTokenizer.from_pretrained(demo_models.tokenizer_dir(gguf, pinned))
-    return LlamaCppMember(gguf, tokenizer, spec_name(spec), spec.chat_template)
+    return LlamaCppMember(gguf, tokenizer, spec_name(spec), spec.chat_template, positions=positions)

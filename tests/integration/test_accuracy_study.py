@@ -32,7 +32,9 @@ def test_every_row_of_the_study_runs_resumes_and_is_summarised(tmp_path: Path) -
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from accuracy import _DRAFTER15_ROWS, config_factories
 
-    options = argparse.Namespace(max_new_tokens=BUDGET, batch=16, ensemble_batch=8, seed=0, backend="torch")
+    options = argparse.Namespace(
+        max_new_tokens=BUDGET, batch=16, ensemble_batch=8, seed=0, backend="torch", positions=None
+    )
     # the row names (the factories build nothing until called); the 1.5B rows run in llama.cpp only, and its
     # 1.1 GB file is not fetched in CI
     rows = [row for row in config_factories([], options) if row not in _DRAFTER15_ROWS]
