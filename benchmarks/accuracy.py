@@ -331,6 +331,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     wall0, started = time.perf_counter(), datetime.now(UTC).isoformat(timespec="seconds")
+    commit = source_commit()  # now: the checkout may move while the run goes on
     status = "interrupted"
     try:
         configs = {n: factories[n]() for n in names}
@@ -349,7 +350,7 @@ def main() -> None:
                 "batch": args.batch,
                 "threads": torch.get_num_threads(),
                 "backend": args.backend,
-                "commit": source_commit(),
+                "commit": commit,
                 "cpu": cpu_model(),
                 "jsonl": str(files[0]),
                 "started": started,
