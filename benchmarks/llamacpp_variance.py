@@ -204,6 +204,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    # at the start: the tree may move during a run of the better part of an hour
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     prompts, others = questions(args.texts), questions(OTHERS, skip=args.texts)
     models = {}
     for name in MODELS:
@@ -217,7 +219,6 @@ def main() -> int:
     if args.copies_prompts_qwen:
         qwen = two_copies("qwen2.5-coder-0.5b", copies_prompts[: args.copies_prompts_qwen], args.max_new_tokens)
         copies["qwen2.5-coder-0.5b x2"] = qwen
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_info()["model_name"],
