@@ -14,8 +14,7 @@ def cell(numbers: dict) -> str:
     if numbers["max_abs"] == 0:
         return "bit-identical"
     return (
-        f"{numbers['max_abs']:.2f} / {numbers['mean_abs']:.3f}, {numbers['argmax_differs']} of "
-        f"{numbers['positions']:,}"
+        f"{numbers['max_abs']:.2f} / {numbers['mean_abs']:.3f}, {numbers['argmax_differs']} of {numbers['positions']:,}"
     )
 
 
