@@ -18,10 +18,11 @@ from typing import Any
 from ..errors import ConfigError
 
 # Keywords whose value is a subschema of a value the reply holds: one, a list, or a name -> subschema map.
-# Left out on purpose: `allOf` and `dependentSchemas`, whose branches describe one object together (closing
-# each would refuse the keys the others add; pydantic's `allOf: [{"$ref": ...}]` wrappers are reached
-# through `$defs`), and `not`, `if`, `contains`, where closing an object would change what matches.
-_ONE = ("items", "additionalItems", "additionalProperties", "then", "else")
+# Left out on purpose: `allOf`, `dependentSchemas`, `then` and `else`, whose branches describe the object
+# beside them (closing a branch would refuse the keys the others and the parent add; pydantic's
+# `allOf: [{"$ref": ...}]` wrappers are reached through `$defs`), and `not`, `if`, `contains`, where closing
+# an object would change what matches.
+_ONE = ("items", "additionalItems", "additionalProperties")
 _MANY = ("anyOf", "oneOf", "prefixItems", "items")
 _NAMED = ("properties", "patternProperties", "$defs", "definitions")
 

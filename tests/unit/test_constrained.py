@@ -525,6 +525,9 @@ def test_strict_closes_every_object_that_does_not_say_otherwise():
         "$defs": {"Point": point},
         "not": {"type": "object", "properties": {"forbidden": {}}, "required": ["forbidden"]},
         "allOf": [{"type": "object", "properties": {"extra": {"type": "integer"}}}],
+        "if": {"properties": {"label": {"const": "zip"}}},
+        "then": {"properties": {"address": {"required": ["zip"]}}},
+        "else": {"properties": {"rows": {"minItems": 1}}},
     }
     closed = strict(schema)
     props = closed["properties"]
@@ -535,8 +538,9 @@ def test_strict_closes_every_object_that_does_not_say_otherwise():
     assert props["open"]["additionalProperties"] is True  # said by the schema: kept
     assert props["typed"]["additionalProperties"] == {"type": "object", "additionalProperties": False}
     assert "additionalProperties" not in props["label"]
-    # `not` and `allOf` describe the same object: closing them would change what matches
-    assert closed["not"] == schema["not"] and closed["allOf"] == schema["allOf"]
+    # `not`, `allOf`, `if`, `then` and `else` describe the same object: closing them would change what matches
+    # (a closed `then` would refuse the parent's "label" whenever the `if` holds)
+    assert all(closed[key] == schema[key] for key in ("not", "allOf", "if", "then", "else"))
     assert "additionalProperties" not in schema and "additionalProperties" not in point  # a copy
 
 
