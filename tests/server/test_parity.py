@@ -61,6 +61,8 @@ SCORE = {
     "additionalProperties": False,
 }
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "score", "schema": SCORE, "strict": True}}
+OPEN = {k: v for k, v in SCORE.items() if k != "additionalProperties"}
+OPEN_SCHEMA = {"type": "json_schema", "json_schema": {"name": "score", "schema": OPEN, "strict": False}}
 
 # name -> the request, as engine keyword arguments; every door sends the same request in its own terms.
 CASES: dict[str, dict[str, Any]] = {
@@ -95,6 +97,8 @@ CASES: dict[str, dict[str, Any]] = {
     "tool_choice none": {"tools": TOOLS, "tool_choice": "none"},
     "one call at most": {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 80},
     "json_schema": {"response_format": JSON_SCHEMA, "max_tokens": 60},
+    # "strict": false keeps JSON Schema's meaning: a schema silent on additionalProperties admits other keys
+    "json_schema, strict false": {"response_format": OPEN_SCHEMA, "max_tokens": 60},
     "json mode": {"response_format": {"type": "json_object"}},
     # negative penalties and a repetition penalty below 1 encourage repeats, which random models otherwise avoid
     "frequency and presence penalties": {"frequency_penalty": -2.0, "presence_penalty": -2.0},
@@ -287,6 +291,11 @@ def test_the_matrix_checks_what_it_claims(served, expected):
     given = {k: v for k, v in CASES["preset, fields given"].items() if k != "preset"}
     assert expected["preset, fields given"] == engine(served, _request("greedy") | PRESETS["paper-gac"] | given)
     assert expected["preset, fields given"] != expected["preset paper-gac"]
+    # "strict": false lets the random members open keys the schema does not name, which strict mode bars
+    assert expected["json_schema, strict false"] != expected["json_schema"]
+    strict_reply = engine(served, _request("greedy") | {"response_format": JSON_SCHEMA | {"json_schema": {
+        **JSON_SCHEMA["json_schema"], "schema": OPEN}}, "max_tokens": 60})  # fmt: skip
+    assert strict_reply == expected["json_schema"]  # the open schema, strict, is closed like SCORE
 
 
 # -- logprobs: every door reports the engine's, in its framework's shape ------------------------------------------
