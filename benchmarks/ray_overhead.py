@@ -39,16 +39,9 @@ PROMPTS = [
 def tiny_specs(root: Path) -> list[ModelSpec]:
     """The unit tests' tiny 2-layer random Llamas over real tokenizers, saved as model directories."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.conftest import tiny_model, tokenizer
+    from tests.conftest import save_tiny_member
 
-    specs = []
-    for name, seed in TINY:
-        tok = tokenizer(name)
-        path = root / f"{name}-{seed}"
-        tiny_model(len(tok), seed, tok.eos_token_id).save_pretrained(path)
-        tok.save_pretrained(path)
-        specs.append(ModelSpec(str(path)))
-    return specs
+    return [ModelSpec(save_tiny_member(name, seed, root / f"{name}-{seed}")) for name, seed in TINY]
 
 
 def measure(placements: dict[str, Ensemble], method: str, max_new_tokens: int, repeats: int) -> dict:

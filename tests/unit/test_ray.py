@@ -18,7 +18,7 @@ from safe_engine import ConfigError, Ensemble, GenerationConfig, MemberError, Mo
 from safe_engine.algorithm.decoding import Generation
 from safe_engine.engine.rounds import run_round
 from safe_engine.runtime.ray import MIN_TOP_K, RayMember, load_ray_members, resolve_backends
-from tests.conftest import tiny_model, tokenizer
+from tests.conftest import save_tiny_member
 
 ray = pytest.importorskip("ray")
 
@@ -48,14 +48,8 @@ def ray_cluster():
 def specs(tmp_path_factory) -> list[ModelSpec]:
     """The tiny models saved as model directories; gpt2 (no template of its own) gets one by spec."""
     root = tmp_path_factory.mktemp("ray-models")
-    out = []
-    for name, seed in FAMILIES:
-        tok = tokenizer(name)
-        path = root / f"{name}-{seed}"
-        tiny_model(len(tok), seed, tok.eos_token_id).save_pretrained(path)
-        tok.save_pretrained(path)
-        out.append(ModelSpec(str(path), chat_template=TEMPLATE if name == "gpt2" else None))
-    return out
+    paths = {name: save_tiny_member(name, seed, root / f"{name}-{seed}") for name, seed in FAMILIES}
+    return [ModelSpec(path, chat_template=TEMPLATE if name == "gpt2" else None) for name, path in paths.items()]
 
 
 @pytest.fixture(scope="module")
