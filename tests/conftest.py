@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +17,20 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from safe_engine import Member
 
 SHARED = Path(os.environ.get("SAFE_SHARED_DIR", Path(__file__).resolve().parents[1] / ".." / "shared")).resolve()
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> Any:
+    """The script benchmarks/NAME.py as a module, registered in sys.modules (dataclasses look their module up
+    while it loads)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 TOKENIZERS = SHARED / "tokenizers"
 
 

@@ -5,19 +5,11 @@ answered."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+from tests.conftest import load_benchmark
 
 
 def load_soak():
-    spec = importlib.util.spec_from_file_location("soak_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("soak")
 
 
 def test_a_thousand_mixed_requests_leave_the_server_as_it_was(model_dirs, tmp_path):

@@ -3,23 +3,18 @@ those problems, and counts cut and looping answers (synthetic records: the numbe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def summarize() -> Any:
-    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks/accuracy_summarize.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("accuracy_summarize")
 
 
 def record(config: str, problem: int, correct: bool, **extra: Any) -> dict[str, Any]:
@@ -164,10 +159,7 @@ SPLITS = ((0, 60), (60, 15), (75, 75))
 def test_a_run_split_with_start_answers_each_problem_of_the_whole_run_once(task: str, parts: tuple) -> None:
     """Runs split with `--start` must cover the problems of the whole run, each once; mmlu-redux's subset is
     stratified over subjects, so its first S+L problems are not its first S followed by the next L in order."""
-    spec = importlib.util.spec_from_file_location("accuracy", ROOT / "benchmarks/accuracy.py")
-    assert spec is not None and spec.loader is not None
-    accuracy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(accuracy)
+    accuracy = load_benchmark("accuracy")
     whole = [p.id for p in accuracy.load_problems(task, 150)]
     split = [p.id for start, n in parts for p in accuracy.load_problems(task, n, start)]
     assert len(whole) == len(set(whole)) == 150

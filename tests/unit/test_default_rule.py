@@ -3,25 +3,18 @@ rows whose verdict is known in advance, and the whole summary over synthetic rec
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SHARED = Path(os.environ.get("SAFE_SHARED_DIR", ROOT.parent / "shared"))
+from tests.conftest import SHARED, load_benchmark
 
 
 @pytest.fixture(scope="module")
 def study() -> Any:
-    spec = importlib.util.spec_from_file_location("accuracy_study", ROOT / "benchmarks/accuracy_study.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("accuracy_study")
 
 
 def row(accuracy: float, loops: float = 0.0, delta: float = 0.0, p: float = 1.0, cpu: float = 10.0) -> dict[str, Any]:

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-from tests.conftest import tiny_member
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
+from tests.conftest import load_benchmark, tiny_member
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("throughput_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script loads
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("throughput")
 
 
 def test_the_throughput_benchmark_runs_end_to_end_and_renders_from_its_json(tmp_path):
