@@ -183,6 +183,9 @@ def markdown(summary: dict[str, Any]) -> str:
             f"{c['texts_differ']} | {c['predictions_differ']} | {c['loops_llamacpp']} / {c['loops_float32']} |"
         )
     for task, table in summary["tasks"].items():
+        if not table["rows"]:
+            lines += ["", f"## {task}: no problems answered by every row yet"]
+            continue
         lines += [
             "",
             f"## {task}: {table['n']} problems answered by every row",
