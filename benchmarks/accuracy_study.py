@@ -1,6 +1,6 @@
 """Issue 46's study: every figure recomputed from the raw records, and the written rule applied to them.
 
-    python benchmarks/accuracy_study.py   # writes results/accuracy/study-46/summary.{md,json}
+    python benchmarks/accuracy_study.py   # writes results/accuracy/study-46/summary.{md,json} and timings.json
 
 Reads the llama.cpp rows in `study-46/` (appended by `benchmarks/accuracy_study.sh`) and, for the check that
 llama.cpp members reproduce the float32 study, the float32 rows of the same problems: the members alone from the
@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent / "results" / "accuracy"
 STUDY = HERE / "study-46"
 sys.path.insert(0, str(HERE.parents[1]))
 
-from accuracy import load_problems  # noqa: E402
+from accuracy import load_problems, write_timings  # noqa: E402
 from accuracy_loops import looping, records, steerable  # noqa: E402
 from accuracy_summarize import row_numbers  # noqa: E402
 
@@ -228,6 +228,8 @@ def summarize(folder: Path = STUDY) -> dict[str, Any]:
 
 def main(argv: Sequence[str] = sys.argv[1:]) -> None:
     folder = Path(argv[0]) if argv else STUDY
+    if (folder / "timings.jsonl").exists():
+        write_timings(folder)  # the runs' and rows' summed times, an interrupted run's included
     summary = summarize(folder)
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     (folder / "summary.md").write_text(markdown(summary), encoding="utf-8")

@@ -7,7 +7,8 @@ drafting, SmolLM2-135M verifying), a chat prompt, greedy, up to 256 new tokens, 
 - llama-cpp-python's own `Llama.create_completion` of the drafter's GGUF, at 1 thread and at all cores (the
   faster one is the baseline: a user would pick it);
 - the engine's `method="single"` over the llama.cpp drafter, and SAFE over the llama.cpp pair;
-- SAFE over the float32 torch members of the same files (backend="torch");
+- the drafter alone and SAFE over the torch members of the same files (backend="torch"), float32 and
+  `quantization="int8"`: the three runtimes side by side;
 - a batch of 8 different chat requests through SAFE over llama.cpp members, against one request's speed.
 
 Memory: the process's resident set grown by loading each ensemble and running it once (llama.cpp maps the GGUF;
@@ -66,16 +67,44 @@ def batch(ens: Ensemble, n: int) -> dict[str, Any]:
     return {"requests": len(results), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
-def loaded(backend: str) -> tuple[Ensemble, float]:
+def loaded(backend: str, quantization: str | None = None) -> tuple[Ensemble, float]:
     """The ensemble, and the resident memory its loading and a first short run added (MiB)."""
     before = _rss_mib()
-    ens = Ensemble.from_pretrained(MODELS, backend=backend)
+    ens = Ensemble.from_pretrained(MODELS, backend=backend, quantization=quantization)
     ens.generate(messages=chat(TOPICS[0]), max_new_tokens=8)
     return ens, _rss_mib() - before
 
 
 def median(runs: list[dict[str, Any]], key: str = "tokens_per_s") -> float:
     return statistics.median(r[key] for r in runs)
+
+
+# runtime -> (its drafter-alone row, its SAFE row, its resident-memory entry)
+RUNTIMES = {
+    "llama.cpp": ("engine single", "engine SAFE", "llama.cpp members"),
+    "torch float32": ("torch single", "torch SAFE", "torch float32 members"),
+    "torch int8": ("torch int8 single", "torch int8 SAFE", "torch int8 members"),
+}
+
+
+def runtime_table(result: dict[str, Any]) -> str:
+    """Markdown: the drafter alone and SAFE per runtime (median tokens/s, the new tokens of the answer), over
+    llama-cpp-python's own generation of the drafter's GGUF and SAFE over its own drafter alone, with the
+    members' resident memory. docs/speed.md holds it as generated from the committed JSON
+    (tests/unit/test_speed_docs.py regenerates it)."""
+    medians, runs = result["medians_tokens_per_s"], result["runs"]
+    own = max(v for k, v in medians.items() if k.startswith("llama-cpp-python"))  # its faster thread count
+    lines = [
+        f"| {result['cpu']['model_name']} | drafter alone tok/s (tokens) | SAFE tok/s (tokens) "
+        "| drafter alone / llama-cpp-python | SAFE / llama-cpp-python | SAFE / its drafter alone | resident MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for runtime, (single, safe, memory) in RUNTIMES.items():
+        a, b, mib = medians[single], medians[safe], result["resident_mib"][memory]
+        cells = [f"{a:.1f} ({runs[single][0]['tokens']})", f"{b:.1f} ({runs[safe][0]['tokens']})"]
+        cells += [f"{a / own:.2f}", f"{b / own:.2f}", f"{b / a:.2f}", f"{mib:,.0f}"]
+        lines.append(f"| {runtime} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -89,19 +118,24 @@ def main() -> int:
     fast, fast_mib = loaded("auto")
     assert [m.backend for m in fast.members] == ["llama.cpp", "llama.cpp"], "install the llamacpp extra"
     slow, slow_mib = loaded("torch")
+    int8, int8_mib = loaded("torch", "int8")
     drafter = fast.drafter
     ids = fast.request(messages=chat(TOPICS[0])).encode(drafter)
     counts = sorted({1, available_cores()})
     own = {n: llama_cpp.Llama(str(drafter.gguf), n_ctx=4096, n_threads=n, verbose=False) for n in counts}
 
-    names = [*(f"llama-cpp-python {n}t" for n in counts), "engine single", "engine SAFE", "torch SAFE", "batch of 8"]
+    torch_rows = ["torch single", "torch SAFE", "torch int8 single", "torch int8 SAFE"]
+    names = [*(f"llama-cpp-python {n}t" for n in counts), "engine single", "engine SAFE", *torch_rows, "batch of 8"]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for _ in range(args.repeats):  # in turns: a machine whose speed drifts moves them all alike
         for n, llm in own.items():
             runs[f"llama-cpp-python {n}t"].append(own_generation(llm, ids, n_new))
         runs["engine single"].append(engine(fast, n_new, method="single"))
         runs["engine SAFE"].append(engine(fast, n_new))
+        runs["torch single"].append(engine(slow, n_new, method="single"))
         runs["torch SAFE"].append(engine(slow, n_new))
+        runs["torch int8 single"].append(engine(int8, n_new, method="single"))
+        runs["torch int8 SAFE"].append(engine(int8, n_new))
         runs["batch of 8"].append(batch(fast, n_new))
 
     best_own = max(median(runs[f"llama-cpp-python {n}t"]) for n in counts)
@@ -112,7 +146,10 @@ def main() -> int:
         "cpu": cpu_info(),
         "llama_cpp_python": llama_cpp.__version__,
         "torch_threads": torch.get_num_threads(),
-        "placement": fast.placement.describe() if fast.placement else None,
+        "placement": {
+            name: e.placement.describe() if e.placement else None
+            for name, e in (("llama.cpp", fast), ("torch float32", slow), ("torch int8", int8))
+        },
         "models": MODELS,
         "max_new_tokens": n_new,
         "repeats": args.repeats,
@@ -124,13 +161,18 @@ def main() -> int:
             "batch of 8 / one request (SAFE llama.cpp)": median(runs["batch of 8"]) / safe,
             "resident memory llama.cpp / torch float32": fast_mib / slow_mib,
         },
-        "resident_mib": {"llama.cpp members": fast_mib, "torch float32 members": slow_mib},
+        "resident_mib": {
+            "llama.cpp members": fast_mib,
+            "torch float32 members": slow_mib,
+            "torch int8 members": int8_mib,
+        },
         "single equals llama-cpp-python's text": all(
             r["text"] == o["text"] for r, o in zip(runs["engine single"], runs[f"llama-cpp-python {counts[-1]}t"])
         ),
         "runs": runs,
     }
     print_json(result, args.out)
+    print(runtime_table(result))
     return 0
 
 

@@ -67,6 +67,9 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
     backend: str | list[str] = "auto"
     """"auto" (a GGUF source on the CPU runs in llama.cpp when installed), "torch", "llama.cpp" or "ray"; or one
     per model. See docs/llamacpp.md."""
+    kv_positions: int | None = None
+    """KV positions each llama.cpp member's requests share (default one window, 4,096); more lets more long
+    requests decode at once, for more memory. See docs/llamacpp.md."""
     max_retries: int | None = None
     """LangChain's standard parameter; only 0 / None: a generation in this process is not retried."""
     top_logprobs: int | None = None
@@ -193,6 +196,7 @@ class SafeParams(_GenerationKnobs):  # type: ignore[misc,valid-type]
                 dtype=self.dtype,
                 quantization=self.quantization,
                 backend=self.backend,
+                kv_positions=self.kv_positions,
             )
         params.update({k: getattr(self, k) for k in KNOBS})
         return params

@@ -101,8 +101,8 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
 
     Pass either `ensemble=` (an already built `safe_engine.Ensemble`) or `models=[spec, ...]` (hub ids,
     directories, `.gguf` files, demo model names or `ModelSpec`s, loaded on first use with `drafter`,
-    `weights`, `device_map`, `dtype`, `quantization`, `backend` and `trust_remote_code`). Generation options (every
-    `GenerationConfig` field) are fields and can be overridden per call:
+    `weights`, `device_map`, `dtype`, `quantization`, `backend`, `kv_positions` and `trust_remote_code`).
+    Generation options (every `GenerationConfig` field) are fields and can be overridden per call:
     `llm.complete(prompt, max_new_tokens=32, method="every_token")`; `timeout` is enforced per generation.
     `preset="paper-unite"` / `"paper-gac"` (a field or per call) is the paper's configuration under the
     options set explicitly (`safe_engine.presets`).
@@ -132,6 +132,11 @@ class SafeLLM(FunctionCallingLLM, CustomLLM, _GenerationKnobs):  # type: ignore[
     backend: str | list[str] = Field(
         default="auto",
         description='"auto" (a GGUF source on the CPU runs in llama.cpp when installed), "torch", "llama.cpp", "ray".',
+    )
+    kv_positions: int | None = Field(
+        default=None,
+        gt=0,
+        description="KV positions each llama.cpp member's requests share (default one window, 4,096).",
     )
     top_logprobs: int | None = Field(
         default=None, description="With logprobs=True: the most likely alternatives (0-20) reported per token."

@@ -43,6 +43,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="where members run: auto (a GGUF source on the CPU in llama.cpp when installed, else torch), torch, "
         "llama.cpp; docs/llamacpp.md",
     )
+    p.add_argument(
+        "--kv-positions",
+        type=int,
+        metavar="N",
+        help="KV positions each llama.cpp member's requests share (default one window, 4096); docs/llamacpp.md",
+    )
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -108,6 +114,7 @@ def load(args: argparse.Namespace, max_batch_size: int = 8, announce: bool = Tru
         dtype=args.dtype,
         quantization=args.quantize,
         backend=args.backend,
+        kv_positions=args.kv_positions,
         max_batch_size=max_batch_size,
     )
     if announce:

@@ -118,6 +118,7 @@ class Ensemble:
         member_timeout_s: float | None = None,
         max_batch_size: int = 8,
         quantization: Any = None,
+        kv_positions: int | None = None,
     ) -> Ensemble:
         """Load members from hub ids, directories, .gguf files, demo names or ModelSpecs.
 
@@ -131,6 +132,10 @@ class Ensemble:
         cluster at `ray_address` ("auto", "ray://host:10001"; None: the current or a new local one), with
         `member_resources` per actor (a dict for all, or a list per member, e.g. {"num_gpus": 1}) and
         `member_timeout_s` per actor call (default 120 s). See docs/ray.md.
+
+        `kv_positions`: the KV positions each llama.cpp member's context holds for all its requests together
+        (default: one request's window, 4,096); more lets more long requests decode at once, for more KV
+        memory (docs/llamacpp.md). Refused where no member runs in llama.cpp.
         """
         if isinstance(specs, str | ModelSpec) or not isinstance(specs, Sequence) or not specs:
             raise InputTypeError("specs must be a non-empty list of model specs, e.g. ['smollm2-135m', 'gemma3-270m']")
@@ -144,7 +149,12 @@ class Ensemble:
             check_quantization(spec.quantization, spec.dtype or dtype, spec.device or dev)
             if where != "ray":  # a Ray member's device is checked on its own node
                 check_device(dev)
-        remote = [i for i, where in enumerate(backends) if where == "ray"]
+        runtimes = [
+            where if where == "ray" else local_runtime(spec, where, dev, dtype)
+            for spec, dev, where in zip(resolved, devices, backends)
+        ]
+        _check_kv_positions(kv_positions, runtimes)
+        remote = [i for i, where in enumerate(runtimes) if where == "ray"]
         pending = None
         if remote:  # the actors load while the local members load here
             resources = member_resources
@@ -163,11 +173,11 @@ class Ensemble:
             )
         try:
             members: list[Member | None] = [None] * len(specs)
-            for i, (spec, dev, where) in enumerate(zip(resolved, devices, backends)):
+            for i, (spec, dev, where) in enumerate(zip(resolved, devices, runtimes)):
                 if where == "ray":
                     continue
-                if local_runtime(spec, where, dev, dtype) == "llama.cpp":
-                    members[i] = load_llamacpp_member(spec, device=dev, dtype=dtype)
+                if where == "llama.cpp":
+                    members[i] = load_llamacpp_member(spec, device=dev, dtype=dtype, positions=kv_positions)
                 else:
                     members[i] = load_member(spec, device=dev, dtype=dtype, trust_remote_code=trust_remote_code)
             if pending is not None:
@@ -411,6 +421,20 @@ def _weights(weights: Sequence[float] | None, n: int) -> torch.Tensor:
 def _quantized(spec: ModelSpec, quantization: Any) -> ModelSpec:
     """The spec with the ensemble-wide quantization, unless it names its own."""
     return spec if quantization is None or spec.quantization is not None else replace(spec, quantization=quantization)
+
+
+def _check_kv_positions(kv_positions: Any, runtimes: Sequence[str]) -> None:
+    """`kv_positions` sizes llama.cpp contexts: a positive int, and only where a member runs in llama.cpp."""
+    if kv_positions is None:
+        return
+    if isinstance(kv_positions, bool) or not isinstance(kv_positions, int) or kv_positions < 1:
+        raise ConfigError(f"kv_positions must be a positive int (KV positions per llama.cpp member): {kv_positions!r}")
+    if "llama.cpp" not in runtimes:
+        raise ConfigError(
+            f"kv_positions sizes the KV cache that a llama.cpp member's requests share; none of these members runs "
+            f"in llama.cpp (they run in {', '.join(sorted(set(runtimes)))}): drop kv_positions, or load a GGUF "
+            "source with backend='llama.cpp'"
+        )
 
 
 def _devices(device_map: str | Sequence[str | None] | None, n: int) -> list[str | None]:

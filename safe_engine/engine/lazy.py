@@ -30,6 +30,7 @@ LOAD_OPTIONS: dict[str, Any] = {
     "trust_remote_code": False,
     "quantization": None,
     "backend": "auto",
+    "kv_positions": None,
 }
 
 

@@ -208,7 +208,12 @@ class LlamaCppMember(Member):
         n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         trained = ll.llama_model_n_ctx_train(self._model)
         context = min(context, trained) if trained > 0 else context  # one request's window
-        self.positions = max(context, positions or DEFAULT_CONTEXT)  # shared by its requests (see Member)
+        if positions is not None and positions < context:
+            raise ConfigError(
+                f"{path.name}: a context of {positions} KV positions cannot hold one request's window of {context}; "
+                f"give kv_positions >= {context} (the positions all of the member's requests share)"
+            )
+        self.positions = positions or max(context, DEFAULT_CONTEXT)  # shared by its requests (see Member)
         params = ll.llama_context_default_params()
         params.n_ctx = self.positions
         params.n_batch = context  # a prompt is one pass

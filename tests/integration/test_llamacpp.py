@@ -119,8 +119,8 @@ def test_a_pass_that_would_overfill_the_shared_context_is_refused_before_llama_c
     before `llama_decode` (which would fail natively), and the sequences stay usable at what they held."""
     member = LlamaCppMember(demo_models.gguf_path("smollm2-135m"), _tokenizer("smollm2-135m"), context=64)
     assert (member.context_window, member.positions) == (64, 4096)
-    small = LlamaCppMember(demo_models.gguf_path("smollm2-135m"), _tokenizer("smollm2-135m"), positions=1)
-    assert small.positions == small.context_window == 4096  # the pool holds at least one request's window
+    with pytest.raises(ConfigError, match="cannot hold one request's window of 4096; give kv_positions >= 4096"):
+        LlamaCppMember(demo_models.gguf_path("smollm2-135m"), _tokenizer("smollm2-135m"), positions=1)
     member.positions = 48  # as if the context were that small: two requests of 30 positions do not fit
     first, second = member.new_cache(), member.new_cache()
     before = member.forward(list(range(100, 130)), first)
@@ -243,3 +243,41 @@ def _tokenizer(name: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(demo_models.model_dir(name))
+
+
+def test_every_door_sizes_the_shared_kv_cache_and_refuses_it_by_name():
+    """`kv_positions` (the KV positions a llama.cpp member's requests share) reaches the member from the engine,
+    the CLI's `generate` and `serve` loaders, LangChain (SafeLLM, ChatSafe) and LlamaIndex; where no member runs
+    in llama.cpp, or below one request's window, it is refused by name, before anything loads."""
+    from langchain_safe import ChatSafe
+    from langchain_safe import SafeLLM as LangChainLLM
+    from llamaindex_safe import SafeLLM as LlamaIndexLLM
+    from safe_engine.cli import build_parser
+    from safe_engine.cli.args import load
+
+    models, wanted = ["smollm2-135m"], 6000
+    flags = ["-m", "smollm2-135m", "--kv-positions", str(wanted)]
+    doors = {
+        "engine": Ensemble.from_pretrained(models, kv_positions=wanted),
+        "generate": load(build_parser().parse_args(["generate", *flags, "Hi"]), announce=False),
+        "serve": load(build_parser().parse_args(["serve", *flags]), announce=False),
+        "LangChain SafeLLM": LangChainLLM(models=models, kv_positions=wanted)._holder.get(),
+        "ChatSafe": ChatSafe(models=models, kv_positions=wanted)._holder.get(),
+        "LlamaIndex": LlamaIndexLLM(models=models, kv_positions=wanted)._holder.get(),
+    }
+    pools = {door: [m.positions for m in ens.members] for door, ens in doors.items()}
+    assert pools == {door: [wanted] for door in doors}
+    assert Ensemble.from_pretrained(models).members[0].positions == llamacpp.DEFAULT_CONTEXT  # not given: one window
+    text = doors["engine"].generate(STORY, max_new_tokens=8).text
+    assert text == Ensemble.from_pretrained(models).generate(STORY, max_new_tokens=8).text  # a pool, not the text
+
+    with pytest.raises(ConfigError, match=r"none of these members runs in llama\.cpp"):
+        Ensemble.from_pretrained(models, backend="torch", kv_positions=wanted)
+    with pytest.raises(ConfigError, match=r"none of these members runs in llama\.cpp"):
+        ChatSafe(models=models, backend="torch", kv_positions=wanted).invoke("Hi")
+    with pytest.raises(ConfigError, match="kv_positions must be a positive int"):
+        load(build_parser().parse_args(["generate", "-m", "smollm2-135m", "--kv-positions", "0", "Hi"]))
+    with pytest.raises(ConfigError, match="kv_positions"):
+        LlamaIndexLLM(models=models, kv_positions=-1)
+    with pytest.raises(ConfigError, match="cannot hold one request's window of 4096; give kv_positions >= 4096"):
+        Ensemble.from_pretrained(models, kv_positions=100)

@@ -20,6 +20,7 @@ from tests.unit.test_sampling import (
     by_text,
     chi_square_p,
     decided,
+    draws,
     next_token_probs,
     unite_target,
 )
@@ -67,10 +68,11 @@ def ensembles() -> list[Ensemble]:
 
 
 def generations(ensembles, **request):
+    """Each ensemble's 36 requests (3 prompts x VARIANTS), decoded together: each under its own grammar."""
     for ens in ensembles:
-        for k, prompt in enumerate(("Give me a person.", "Who are you?", "Pick one.")):
-            for method, aggregation, sample in VARIANTS:
-                yield ens.generate(
+        yield from ens.generate_batch(
+            [
+                ens.request(
                     messages=[{"role": "user", "content": prompt}],
                     method=method,
                     aggregation=aggregation,
@@ -79,6 +81,10 @@ def generations(ensembles, **request):
                     max_new_tokens=400,
                     **request,
                 )
+                for k, prompt in enumerate(("Give me a person.", "Who are you?", "Pick one."))
+                for method, aggregation, sample in VARIANTS
+            ]
+        )
 
 
 def test_every_output_under_a_json_schema_is_valid_json_of_it(ensembles):
@@ -142,10 +148,7 @@ def pair():
 
 
 def masked_run(ens, **options) -> Counter:
-    return Counter(
-        ens.generate(PROMPT, max_new_tokens=1, do_sample=True, seed=s, grammar=WORDS, **options).text
-        for s in range(DRAWS)
-    )
+    return Counter(r.text for r in draws(ens, range(DRAWS), grammar=WORDS, **options))
 
 
 def test_safe_sampling_under_a_grammar_emits_the_masked_ensemble_distribution(pair):
@@ -157,10 +160,7 @@ def test_safe_sampling_under_a_grammar_emits_the_masked_ensemble_distribution(pa
     total = sum(target.values())
     ens = Ensemble(list(pair))
     counts: Counter = Counter()
-    for seed in range(DRAWS):
-        res = ens.generate(
-            PROMPT, max_new_tokens=1, do_sample=True, seed=seed, grammar=WORDS, temperature=TEMPERATURE, trace=True
-        )
+    for res in draws(ens, range(DRAWS), grammar=WORDS, temperature=TEMPERATURE, trace=True):
         pick = decided(res)
         assert res.text.startswith(pick) or pick.startswith(res.text)
         assert allowed.allows_text(res.text.encode())  # the healed token is within the grammar too

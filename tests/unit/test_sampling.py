@@ -2,7 +2,9 @@
 (paper App. H, speculative sampling), and `single` follows the drafter's own distribution.
 
 Each test draws the first generated token 6,000 times with different seeds (max_new_tokens=1: the first
-position is aligned for every tokenizer) and compares the counts with a distribution computed here from
+position is aligned for every tokenizer), 64 requests at a time through `generate_batch` (a request's draws
+depend only on its seed and position: `test_batched_draws_are_the_lone_requests_draws` checks that a batch
+changes none of them), and compares the counts with a distribution computed here from
 the models' logits, independently of the engine's aggregation code, by a chi-square test at α = 0.01.
 Power: bins with an expected count below 5 are pooled; with 6,000 draws a shift of 0.02 of probability
 between two bins near p = 0.1 gives a non-centrality of 6000 · 2 · 0.02² / 0.1 = 48, detected with power
@@ -31,6 +33,16 @@ TEMPERATURE = 0.8
 @pytest.fixture(scope="module")
 def pair():
     return tiny_member("gpt2", 5), tiny_member("llama2", 6)
+
+
+def draws(ens: Ensemble, seeds: range, **options) -> list:
+    """The results of one-token sampled requests of PROMPT, one per seed, decoded 64 at a time."""
+    results = []
+    for start in range(seeds.start, seeds.stop, 64):
+        chunk = range(start, min(start + 64, seeds.stop))
+        requests = [ens.request(PROMPT, max_new_tokens=1, do_sample=True, seed=s, **options) for s in chunk]
+        results += ens.generate_batch(requests)
+    return results
 
 
 def next_token_probs(member, prompt: str, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -118,8 +130,7 @@ def test_safe_sampling_emits_the_sharpened_ensemble_distribution(pair):
     assert max(target.values()) < 0.9  # a real distribution, not a point mass
     counts: Counter = Counter()
     ensembled = healed = 0
-    for seed in range(DRAWS):
-        res = ens.generate(PROMPT, max_new_tokens=1, do_sample=True, temperature=TEMPERATURE, seed=seed, trace=True)
+    for res in draws(ens, range(DRAWS), temperature=TEMPERATURE, trace=True):
         pick = decided(res)
         counts[pick] += 1
         ensembled += res.stats.ensembled_tokens
@@ -138,12 +149,22 @@ def test_single_sampling_follows_the_drafters_distribution_with_top_p(pair):
     expected: Counter = Counter()
     for tid in torch.nonzero(probs).flatten().tolist():
         expected[string_of(drafter, tid).decode(errors="replace")] += float(probs[tid])
-    counts = Counter(
-        ens.generate(PROMPT, max_new_tokens=1, method="single", do_sample=True, temperature=1.3, top_p=0.6, seed=s).text
-        for s in range(DRAWS)
-    )
+    counts = Counter(r.text for r in draws(ens, range(DRAWS), method="single", temperature=1.3, top_p=0.6))
     assert chi_square_p(counts, dict(expected), DRAWS) > 0.01
     assert math.isclose(sum(expected.values()), 1.0, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("method", ["safe", "single"])
+def test_batched_draws_are_the_lone_requests_draws(pair, method):
+    """What lets the statistical tests above draw in batches: a request's sampled text and decision are its
+    seed's, whatever requests share its forwards."""
+    ens = Ensemble(list(pair))
+    batched = draws(ens, range(100), method=method, temperature=TEMPERATURE, trace=True)
+    options = {"max_new_tokens": 1, "do_sample": True, "method": method, "temperature": TEMPERATURE, "trace": True}
+    lone = [ens.generate(PROMPT, seed=s, **options) for s in range(100)]
+    assert [r.text for r in batched] == [r.text for r in lone]
+    assert [decided(r) for r in batched] == [decided(r) for r in lone]
+    assert len({r.text for r in lone}) > 5  # the seeds draw different tokens: the comparison can fail
 
 
 @pytest.mark.parametrize("scale", [5.0, 0.01])  # peaked: the cut lies in the top-1024 probe; flat: full sort
