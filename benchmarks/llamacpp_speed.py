@@ -115,27 +115,25 @@ def main() -> int:
     args = p.parse_args()
     n_new = args.tokens
 
-    fast, fast_mib = loaded("auto")
+    # runtime -> (its ensemble, the resident memory its loading added), in RUNTIMES' order
+    ensembles = dict(zip(RUNTIMES, (loaded("auto"), loaded("torch"), loaded("torch", "int8"))))
+    (fast, fast_mib), slow_mib = ensembles["llama.cpp"], ensembles["torch float32"][1]
     assert [m.backend for m in fast.members] == ["llama.cpp", "llama.cpp"], "install the llamacpp extra"
-    slow, slow_mib = loaded("torch")
-    int8, int8_mib = loaded("torch", "int8")
     drafter = fast.drafter
     ids = fast.request(messages=chat(TOPICS[0])).encode(drafter)
     counts = sorted({1, available_cores()})
     own = {n: llama_cpp.Llama(str(drafter.gguf), n_ctx=4096, n_threads=n, verbose=False) for n in counts}
 
-    torch_rows = ["torch single", "torch SAFE", "torch int8 single", "torch int8 SAFE"]
-    names = [*(f"llama-cpp-python {n}t" for n in counts), "engine single", "engine SAFE", *torch_rows, "batch of 8"]
+    rows = [row for single, safe, _ in RUNTIMES.values() for row in (single, safe)]
+    names = [*(f"llama-cpp-python {n}t" for n in counts), *rows, "batch of 8"]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for _ in range(args.repeats):  # in turns: a machine whose speed drifts moves them all alike
         for n, llm in own.items():
             runs[f"llama-cpp-python {n}t"].append(own_generation(llm, ids, n_new))
-        runs["engine single"].append(engine(fast, n_new, method="single"))
-        runs["engine SAFE"].append(engine(fast, n_new))
-        runs["torch single"].append(engine(slow, n_new, method="single"))
-        runs["torch SAFE"].append(engine(slow, n_new))
-        runs["torch int8 single"].append(engine(int8, n_new, method="single"))
-        runs["torch int8 SAFE"].append(engine(int8, n_new))
+        for name, (ens, _) in ensembles.items():
+            single, safe, _ = RUNTIMES[name]
+            runs[single].append(engine(ens, n_new, method="single"))
+            runs[safe].append(engine(ens, n_new))
         runs["batch of 8"].append(batch(fast, n_new))
 
     best_own = max(median(runs[f"llama-cpp-python {n}t"]) for n in counts)
@@ -146,10 +144,7 @@ def main() -> int:
         "cpu": cpu_info(),
         "llama_cpp_python": llama_cpp.__version__,
         "torch_threads": torch.get_num_threads(),
-        "placement": {
-            name: e.placement.describe() if e.placement else None
-            for name, e in (("llama.cpp", fast), ("torch float32", slow), ("torch int8", int8))
-        },
+        "placement": {name: e.placement.describe() if e.placement else None for name, (e, _) in ensembles.items()},
         "models": MODELS,
         "max_new_tokens": n_new,
         "repeats": args.repeats,
@@ -161,11 +156,7 @@ def main() -> int:
             "batch of 8 / one request (SAFE llama.cpp)": median(runs["batch of 8"]) / safe,
             "resident memory llama.cpp / torch float32": fast_mib / slow_mib,
         },
-        "resident_mib": {
-            "llama.cpp members": fast_mib,
-            "torch float32 members": slow_mib,
-            "torch int8 members": int8_mib,
-        },
+        "resident_mib": {RUNTIMES[name][2]: mib for name, (_, mib) in ensembles.items()},
         "single equals llama-cpp-python's text": all(
             r["text"] == o["text"] for r, o in zip(runs["engine single"], runs[f"llama-cpp-python {counts[-1]}t"])
         ),
