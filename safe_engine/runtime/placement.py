@@ -299,20 +299,18 @@ def engine_thread() -> None:
 @contextlib.contextmanager
 def lent_thread() -> Iterator[None]:
     """The calling thread works as the engine's for a while (a caller running the rounds itself): the
-    placement may set its thread count, and its own count and torch's default are put back afterwards."""
+    placement may set its thread count, which it gets back afterwards. No thread is started unless a count
+    changes (a request that keeps the caller's count costs nothing here)."""
     if getattr(_local, "engine", False):
         yield
         return
     own = torch.get_num_threads()
-    default: list[int] = []
-    reader = threading.Thread(target=lambda: default.append(torch.get_num_threads()), name="safe-threads")
-    reader.start()
-    reader.join()
-    _local.engine = True
+    _local.engine, _local.process = True, None
     try:
         yield
     finally:
-        use_threads(own, default[0])
+        if _local.process is not None:  # `use_threads` changed this thread's count: put it back
+            use_threads(own, _local.process)
         _local.engine = False
 
 
@@ -322,6 +320,8 @@ def use_threads(count: int, process: int) -> None:
     if not getattr(_local, "engine", False) or torch.get_num_threads() == count:
         return
     torch.set_num_threads(count)  # this thread's count, and torch's default for threads started later...
-    restore = threading.Thread(target=torch.set_num_threads, args=(process,), name="safe-threads")
-    restore.start()  # ...which another thread sets back, since setting it here would change ours too
-    restore.join()
+    _local.process = process
+    if count != process:  # ...which another thread sets back, since setting it here would change ours too
+        restore = threading.Thread(target=torch.set_num_threads, args=(process,), name="safe-threads")
+        restore.start()
+        restore.join()

@@ -196,6 +196,37 @@ def test_threads_are_set_on_the_engines_threads_only(members3):
     assert later == [before]  # torch's process-wide default is as it was
 
 
+def test_a_request_starts_a_thread_only_to_put_back_a_count_it_changed(members3, monkeypatch):
+    """Setting a count on the caller's thread also sets torch's default for threads started later, which only
+    another thread can put back: a request pays that thread start when the placement changes the caller's count
+    to one other than the default, and not otherwise (before, every blocking request started two or three)."""
+    ens = Ensemble(members3)
+    before = torch.get_num_threads()  # 1 in this package (see conftest)
+    started: list[str] = []
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), start(self))[1])
+    ens.placement = Placement(2, 1, 1, before, before, "engine", alone=before, verifying=before, overlap=False)
+    ens.generate(PROMPT, max_new_tokens=8, schedule="rounds")
+    assert started == []
+    ens.placement = Placement(2, 1, 1, 2, before, "engine", alone=2, verifying=2, overlap=False)
+    seen: list[int] = []
+    original = ens.members[0].forward_many
+
+    def counted(jobs):
+        seen.append(torch.get_num_threads())
+        return original(jobs)
+
+    monkeypatch.setattr(ens.members[0], "forward_many", counted)
+    ens.generate(PROMPT, max_new_tokens=8, schedule="rounds")
+    assert set(seen) == {2} and started == ["safe-threads"]  # set once for the request, default put back once
+    assert torch.get_num_threads() == before  # the caller's count back, without another thread
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [before]  # torch's default as it was
+
+
 @pytest.mark.parametrize("quantized", [False, True], ids=["float32", "int8"])
 def test_the_placement_never_changes_the_greedy_text(quantized):
     """Every schedule with the engine's placement and with the user's 1 or 2 threads gives round-based SAFE's
