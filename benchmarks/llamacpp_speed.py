@@ -8,7 +8,9 @@ drafting, SmolLM2-135M verifying), a chat prompt, greedy, up to 256 new tokens, 
   faster one is the baseline: a user would pick it);
 - the engine's `method="single"` over the llama.cpp drafter, and SAFE over the llama.cpp pair;
 - the drafter alone and SAFE over the torch members of the same files (backend="torch"), float32 and
-  `quantization="int8"`: the three runtimes side by side;
+  `quantization="int8"`: the three runtimes side by side. Each runtime's two rows share the first story topic
+  on which both answers run the whole length (`long_answer_topic`): the int8 pair's greedy SAFE answer to the
+  first one is a 13-token refusal, and a row over 13 tokens times mostly the prompt's pass;
 - a batch of 8 different chat requests through SAFE over llama.cpp members, against one request's speed.
 
 Memory: the process's resident set grown by loading each ensemble and running it once (llama.cpp maps the GGUF;
@@ -52,8 +54,8 @@ def own_generation(llm: llama_cpp.Llama, ids: list[int], n: int) -> dict[str, An
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "text": out["choices"][0]["text"]}
 
 
-def engine(ens: Ensemble, n: int, **options: Any) -> dict[str, Any]:
-    result = ens.generate(messages=chat(TOPICS[0]), max_new_tokens=n, **options)
+def engine(ens: Ensemble, n: int, topic: str = TOPICS[0], **options: Any) -> dict[str, Any]:
+    result = ens.generate(messages=chat(topic), max_new_tokens=n, **options)
     s = result.stats
     return {"tokens": s.tokens, "wall_s": s.wall_time_s, "tokens_per_s": s.tokens_per_s, "text": result.text,
             "ensembled_tokens": s.ensembled_tokens, "rounds": s.rounds}  # fmt: skip
@@ -73,6 +75,12 @@ def loaded(backend: str, quantization: str | None = None) -> tuple[Ensemble, flo
     ens = Ensemble.from_pretrained(MODELS, backend=backend, quantization=quantization)
     ens.generate(messages=chat(TOPICS[0]), max_new_tokens=8)
     return ens, _rss_mib() - before
+
+
+def long_answer_topic(ens: Ensemble, n: int) -> str:
+    """The first topic on which the drafter alone and SAFE both answer with `n` new tokens (else the first)."""
+    runs_whole = (t for t in TOPICS if all(engine(ens, n, t, method=m)["tokens"] >= n for m in ("safe", "single")))
+    return next(runs_whole, TOPICS[0])
 
 
 def median(runs: list[dict[str, Any]], key: str = "tokens_per_s") -> float:
@@ -95,13 +103,14 @@ def runtime_table(result: dict[str, Any]) -> str:
     medians, runs = result["medians_tokens_per_s"], result["runs"]
     own = max(v for k, v in medians.items() if k.startswith("llama-cpp-python"))  # its faster thread count
     lines = [
-        f"| {result['cpu']['model_name']} | drafter alone tok/s (tokens) | SAFE tok/s (tokens) "
+        f"| {result['cpu']['model_name']} | story about | drafter alone tok/s (tokens) | SAFE tok/s (tokens) "
         "| drafter alone / llama-cpp-python | SAFE / llama-cpp-python | SAFE / its drafter alone | resident MiB |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for runtime, (single, safe, memory) in RUNTIMES.items():
         a, b, mib = medians[single], medians[safe], result["resident_mib"][memory]
-        cells = [f"{a:.1f} ({runs[single][0]['tokens']})", f"{b:.1f} ({runs[safe][0]['tokens']})"]
+        cells = [result["topics"][runtime], f"{a:.1f} ({runs[single][0]['tokens']})"]
+        cells.append(f"{b:.1f} ({runs[safe][0]['tokens']})")
         cells += [f"{a / own:.2f}", f"{b / own:.2f}", f"{b / a:.2f}", f"{mib:,.0f}"]
         lines.append(f"| {runtime} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
@@ -124,6 +133,7 @@ def main() -> int:
     counts = sorted({1, available_cores()})
     own = {n: llama_cpp.Llama(str(drafter.gguf), n_ctx=4096, n_threads=n, verbose=False) for n in counts}
 
+    topics = {name: long_answer_topic(ens, n_new) for name, (ens, _) in ensembles.items()}
     rows = [row for single, safe, _ in RUNTIMES.values() for row in (single, safe)]
     names = [*(f"llama-cpp-python {n}t" for n in counts), *rows, "batch of 8"]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
@@ -132,8 +142,8 @@ def main() -> int:
             runs[f"llama-cpp-python {n}t"].append(own_generation(llm, ids, n_new))
         for name, (ens, _) in ensembles.items():
             single, safe, _ = RUNTIMES[name]
-            runs[single].append(engine(ens, n_new, method="single"))
-            runs[safe].append(engine(ens, n_new))
+            runs[single].append(engine(ens, n_new, topics[name], method="single"))
+            runs[safe].append(engine(ens, n_new, topics[name]))
         runs["batch of 8"].append(batch(fast, n_new))
 
     best_own = max(median(runs[f"llama-cpp-python {n}t"]) for n in counts)
@@ -147,6 +157,7 @@ def main() -> int:
         "placement": {name: e.placement.describe() if e.placement else None for name, (e, _) in ensembles.items()},
         "models": MODELS,
         "max_new_tokens": n_new,
+        "topics": topics,
         "repeats": args.repeats,
         "medians_tokens_per_s": {k: median(v) for k, v in runs.items()},
         "ratios": {
