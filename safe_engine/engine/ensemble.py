@@ -103,6 +103,16 @@ class Ensemble:
         what should not finish); False if decoding still runs after `timeout` seconds."""
         return self._scheduler.wait_idle(timeout)
 
+    def measure_placement(self) -> Placement | None:
+        """Time the members' forwards again and place the work from the new times; requests started afterwards
+        use it. Why: the placement is measured once, when the ensemble is built, and the right thread counts
+        move with the machine's load. Beside two busy processes, Qwen's 2-thread llama.cpp step on the 2-core
+        Xeon took 3,140 ms against 63 ms at one thread. Call it between requests: timing beside running requests
+        measures them too. A no-op (and the same answer) where the user chose torch's threads or the members
+        are not all on the CPU."""
+        self.placement = _placement(self.members, self.drafter_index, again=True)
+        return self.placement
+
     @classmethod
     def from_pretrained(
         cls,
@@ -452,13 +462,14 @@ def _devices(device_map: str | Sequence[str | None] | None, n: int) -> list[str 
     return devices
 
 
-def _placement(members: Sequence[Member], drafter: int) -> Placement | None:
+def _placement(members: Sequence[Member], drafter: int, again: bool = False) -> Placement | None:
     """The CPU placement of the members' forwards (None unless every member is a local one on the CPU), from
-    their forwards timed here at each thread count worth trying (unless the user chose torch's threads)."""
+    their forwards timed at each thread count worth trying (unless the user chose torch's threads); `again`:
+    timed now, not taken from an earlier ensemble over the same member objects."""
     devices = [m.device for m in members]
     if any(not isinstance(d, torch.device) or d.type != "cpu" for d in devices):
         return None
     weights = [m.weight_bytes for m in members]
     counts = thread_counts(weights, drafter)
     measure = len(counts) > 1 and not threads_chosen_by_user(torch.get_num_threads())
-    return plan_placement(weights, drafter, measure_forwards(members, counts) if measure else None)
+    return plan_placement(weights, drafter, measure_forwards(members, counts, again) if measure else None)

@@ -170,13 +170,13 @@ def thread_counts(weight_bytes: Sequence[int], drafter: int) -> list[int]:
 _measured: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Timing]] = weakref.WeakKeyDictionary()
 
 
-def measure_forwards(members: Sequence[Any], counts: Sequence[int]) -> list[Timing]:
-    """Each member's `Timing` at each of `counts` threads, measured on a short-lived engine thread: a count set
-    there touches no other thread, and its OpenMP team ends with it. (On the building thread the team would
-    stay docked there, and throttle the worker thread that decodes streams and the server's requests: `make
-    demo` fell to 1.0 tok/s that way.)"""
+def measure_forwards(members: Sequence[Any], counts: Sequence[int], again: bool = False) -> list[Timing]:
+    """Each member's `Timing` at each of `counts` threads (kept from an earlier measurement of the member
+    unless `again`), measured on a short-lived engine thread: a count set there touches no other thread, and
+    its OpenMP team ends with it. (On the building thread the team would stay docked there, and throttle the
+    worker thread that decodes streams and the server's requests: `make demo` fell to 1.0 tok/s that way.)"""
     key = tuple(counts)
-    missing = [m for m in members if key not in _measured.get(m, {})]
+    missing = [m for m in members if again or key not in _measured.get(m, {})]
     failure: list[BaseException] = []
 
     def run() -> None:

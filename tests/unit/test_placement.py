@@ -117,6 +117,43 @@ def test_an_ensemble_measures_its_members_and_runs_each_forward_at_the_faster_co
         torch.set_num_threads(before)
 
 
+def test_measure_placement_follows_a_machine_whose_load_changed(fake_clock, monkeypatch):
+    """Built while one thread is the faster (a busy neighbour), the placement keeps that (an ensemble rebuilt
+    over the same members too) until `measure_placement` times the forwards again: then two threads, which the
+    next request's forwards use."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(placement_module, "available_cores", lambda: 2)
+    monkeypatch.setattr(placement_module, "physical_cores", lambda: 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # torch's default on a 2-core machine
+    try:
+        fake_clock({1: 1 / 64, 2: 1 / 2})
+        members = [tiny_member("qwen2.5-7b-instruct", 1), tiny_member("llama2", 2)]
+        ens = Ensemble(members)
+        assert ens.placement is not None and ens.placement.alone == 1
+        fake_clock({1: 1 / 32, 2: 1 / 64})  # the neighbour left
+        assert Ensemble(members).placement == ens.placement  # what was measured of these members is kept
+        placement = ens.measure_placement()
+        assert placement is ens.placement and placement is not None
+        assert (placement.alone, placement.verifying, placement.batch) == (2, 2, 2)
+        assert placement.timings[0].step == {1: 1 / 32, 2: 1 / 64}
+        seen: list[int] = []
+        original = members[0].forward_many
+
+        def counted(jobs):
+            seen.append(torch.get_num_threads())
+            return original(jobs)
+
+        monkeypatch.setattr(members[0], "forward_many", counted)
+        ens.generate(PROMPT, max_new_tokens=6, method="single")
+        assert set(seen) == {2}
+        torch.set_num_threads(1)  # the user's choice now: kept, nothing timed
+        assert ens.measure_placement() == Placement(2, 1, 1, 1, 1, "user")
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_hopeless_thread_count_is_timed_once(fake_clock, monkeypatch):
     """Threads that spin against a busy core (llama.cpp's, beside another process) can make a count 50x slower:
     such a count is timed once per shape instead of warming up and repeating, so loading stays quick."""
