@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from safe_engine import Member
+from safe_engine.runtime import placement as placement_module
 
 SHARED = Path(os.environ.get("SAFE_SHARED_DIR", Path(__file__).resolve().parents[1] / ".." / "shared")).resolve()
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -107,6 +108,40 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A machine of `cores` CPUs (logical = physical) with torch at its default count unless set (for the
+    placement's tests)."""
+
+    def set_up(cores: int, torch_threads: int | None = None) -> None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+        monkeypatch.setattr(placement_module, "available_cores", lambda: cores)
+        monkeypatch.setattr(placement_module, "physical_cores", lambda: cores)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads or cores)
+
+    before = torch.get_num_threads()
+    yield set_up
+    torch.set_num_threads(before)  # the engine set counts the fake machine gave: torch's default back as it was
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The placement's clock made a machine: each timed forward takes `costs[threads]` seconds, by the calling
+    thread's torch count at the time."""
+
+    def set_up(costs: dict[int, float]) -> None:
+        now = [0.0]
+
+        def clock() -> float:
+            now[0] += costs[torch.get_num_threads()]  # read before and after a forward: one cost between
+            return now[0]
+
+        monkeypatch.setattr(placement_module, "perf_counter", clock)
+
+    return set_up
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from ..runtime.llamacpp import load_llamacpp_member, local_runtime
 from ..runtime.members import Member, ModelSpec, check_device, load_member, resolve_spec, unique_names
 from ..runtime.placement import (
     Placement,
+    default_threads,
     engine_thread,
     measure_forwards,
     plan_placement,
@@ -110,7 +111,7 @@ class Ensemble:
         Xeon took 3,140 ms against 63 ms at one thread. Call it between requests: timing beside running requests
         measures them too. A no-op (and the same answer) where the user chose torch's threads or the members
         are not all on the CPU."""
-        self.placement = _placement(self.members, self.drafter_index, again=True)
+        self.placement = _placement(self.members, self.drafter_index, again=True, threads=default_threads())
         return self.placement
 
     @classmethod
@@ -462,14 +463,18 @@ def _devices(device_map: str | Sequence[str | None] | None, n: int) -> list[str 
     return devices
 
 
-def _placement(members: Sequence[Member], drafter: int, again: bool = False) -> Placement | None:
+def _placement(
+    members: Sequence[Member], drafter: int, again: bool = False, threads: int | None = None
+) -> Placement | None:
     """The CPU placement of the members' forwards (None unless every member is a local one on the CPU), from
     their forwards timed at each thread count worth trying (unless the user chose torch's threads); `again`:
-    timed now, not taken from an earlier ensemble over the same member objects."""
+    timed now, not taken from an earlier ensemble over the same member objects; `threads`: torch's count
+    (None: the calling thread's)."""
     devices = [m.device for m in members]
     if any(not isinstance(d, torch.device) or d.type != "cpu" for d in devices):
         return None
     weights = [m.weight_bytes for m in members]
     counts = thread_counts(weights, drafter)
-    measure = len(counts) > 1 and not threads_chosen_by_user(torch.get_num_threads())
-    return plan_placement(weights, drafter, measure_forwards(members, counts, again) if measure else None)
+    threads = torch.get_num_threads() if threads is None else threads
+    measure = len(counts) > 1 and not threads_chosen_by_user(threads)
+    return plan_placement(weights, drafter, measure_forwards(members, counts, again) if measure else None, threads)

@@ -114,15 +114,18 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms"
 
 
-def plan_placement(weight_bytes: Sequence[int], drafter: int, timings: Sequence[Timing] | None = None) -> Placement:
+def plan_placement(
+    weight_bytes: Sequence[int], drafter: int, timings: Sequence[Timing] | None = None, threads: int | None = None
+) -> Placement:
     """The placement for CPU members with these weights (bytes read per decoding step), `drafter` indexing
-    both lists, from `timings` (`measure_forwards`; None: plan from the weights alone, as before any was taken).
+    both lists, from `timings` (`measure_forwards`; None: plan from the weights alone, as before any was taken),
+    where torch's count is `threads` (None: the calling thread's).
 
     Explicit choices win: OMP_NUM_THREADS / MKL_NUM_THREADS in the environment, or torch.set_num_threads
     to a count other than torch's default (before or after importing the engine); then every forward keeps
     that count, as it did before the engine placed its work."""
     cores, cpu = available_cores(), cpu_model()
-    current = torch.get_num_threads()
+    current = torch.get_num_threads() if threads is None else threads
     if threads_chosen_by_user(current):
         return Placement(cores, current, current, current, current, "user", cpu=cpu)
     if cores < 2:
@@ -257,6 +260,16 @@ def cpu_info() -> dict:
             (ln.split(":", 1)[1] for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), ""
         )
     return {"model_name": cpu_model(), "cores": available_cores(), "flags": flags.split()}
+
+
+def default_threads() -> int:
+    """torch's count for threads started now (its process-wide default), read on a new thread: the calling
+    thread's own count may differ (an engine thread's, a server's worker thread's)."""
+    seen: list[int] = []
+    reader = threading.Thread(target=lambda: seen.append(torch.get_num_threads()), name="safe-threads")
+    reader.start()
+    reader.join()
+    return seen[0]
 
 
 def available_cores() -> int:

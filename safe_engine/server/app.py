@@ -28,7 +28,7 @@ from . import responses as rsp
 from .call import Call, ready
 from .http import DEFAULT_MAX_BODY_BYTES, add_error_handlers
 from .metrics import CONTENT_TYPE_LATEST, MetricsMiddleware
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, RequestError
 from .state import DEFAULT_STREAM_IDLE_TIMEOUT_S, ServerState, drafter_name, of
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_STREAM_IDLE_TIMEOUT_S", "ServerState", "create_app"]
@@ -157,6 +157,25 @@ async def metrics(request: Request) -> Response:
     return Response(of(request).metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
 
+async def placement(request: Request) -> Response:
+    """How the engine uses the CPU (`Ensemble.placement`); POST times the members' forwards again first
+    (`Ensemble.measure_placement`: the load the server was started under may have changed). Refused while a
+    request is open, whose forwards the timing would measure too."""
+    _, ens = ready(request)
+    if request.method == "POST":
+        if ens.open_requests:
+            message = f"{ens.open_requests} request(s) open; measure the placement when /health shows none"
+            raise RequestError(409, message, code="requests_open")
+        await asyncio.to_thread(ens.measure_placement)
+    where = ens.placement
+    body = {"chosen_by": None, "describe": None} if where is None else {
+        "chosen_by": where.chosen_by, "describe": where.describe(), "cpu": where.cpu, "cores": where.cores,
+        "threads": {"alone": where.alone, "verifying": where.verifying, "batch": where.batch,
+                    "drafter": where.drafter, "verifiers": where.verifiers},
+    }  # fmt: skip
+    return JSONResponse({"object": "placement", **body})
+
+
 async def chat_completions(request: Request) -> Response:
     call, req = await Call.open(request, chat.parse)
     batch = await call.start([call.engine_request(req, **chat.engine_inputs(req))], req.n or 1)
@@ -196,6 +215,8 @@ ROUTES: tuple[tuple[str, str, Callable[..., Awaitable[Response]]], ...] = (
     ("GET", "/v1/models", models),
     ("GET", "/v1/models/{name:path}", model),
     ("GET", "/metrics", metrics),
+    ("GET", "/v1/placement", placement),
+    ("POST", "/v1/placement", placement),
     ("POST", "/v1/chat/completions", chat_completions),
     ("POST", "/v1/completions", text_completions),
     ("POST", "/v1/responses", responses),

@@ -20,37 +20,6 @@ PROMPT = "The quick brown fox"
 SCHEDULES = [{"schedule": "rounds", "adaptive_draft": False}, {"schedule": "overlap"}, {"schedule": "auto"}]
 
 
-@pytest.fixture
-def machine(monkeypatch):
-    """A machine of `cores` CPUs (logical = physical) with torch at its default count unless set."""
-
-    def set_up(cores: int, torch_threads: int | None = None) -> None:
-        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
-        monkeypatch.setattr(placement_module, "available_cores", lambda: cores)
-        monkeypatch.setattr(placement_module, "physical_cores", lambda: cores)
-        monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads or cores)
-
-    return set_up
-
-
-@pytest.fixture
-def fake_clock(monkeypatch):
-    """The placement's clock made a machine: each timed forward takes `costs[threads]` seconds, by the calling
-    thread's torch count at the time."""
-
-    def set_up(costs: dict[int, float]) -> None:
-        now = [0.0]
-
-        def clock() -> float:
-            now[0] += costs[torch.get_num_threads()]  # read before and after a forward: one cost between
-            return now[0]
-
-        monkeypatch.setattr(placement_module, "perf_counter", clock)
-
-    return set_up
-
-
 # Timings in seconds as measured on the project's two kinds of machine (one-token step, 5-token pass):
 AMD = [  # 2-core AMD EPYC, AVX2 only: one thread is the faster
     Timing("qwen", step={1: 0.139, 2: 0.151}, chunk={1: 0.27, 2: 0.25}),
