@@ -20,6 +20,19 @@ PROMPT = "The quick brown fox"
 SCHEDULES = [{"schedule": "rounds", "adaptive_draft": False}, {"schedule": "overlap"}, {"schedule": "auto"}]
 
 
+@pytest.fixture
+def two_cores(monkeypatch):
+    """A real 2-core machine as the placement sees it, torch at its default count there (2), put back after."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    monkeypatch.setattr(placement_module, "available_cores", lambda: 2)
+    monkeypatch.setattr(placement_module, "physical_cores", lambda: 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # torch's default on a 2-core machine
+    yield
+    torch.set_num_threads(before)
+
+
 # Timings in seconds as measured on the project's two kinds of machine (one-token step, 5-token pass):
 AMD = [  # 2-core AMD EPYC, AVX2 only: one thread is the faster
     Timing("qwen", step={1: 0.139, 2: 0.151}, chunk={1: 0.27, 2: 0.25}),
@@ -49,78 +62,60 @@ def test_the_plan_follows_what_was_measured_on_each_kind_of_machine(machine):
 
 
 @pytest.mark.parametrize("faster", [1, 2], ids=["one-thread-machine", "two-thread-machine"])
-def test_an_ensemble_measures_its_members_and_runs_each_forward_at_the_faster_count(faster, fake_clock, monkeypatch):
+def test_an_ensemble_measures_its_members_and_runs_each_forward_at_the_faster_count(faster, two_cores, fake_clock):
     """A machine where one thread is faster and one where two are (the fake clock says so): the ensemble built
     on it times its members, and the drafter alone, the rounds schedule's phases and a batch run at that count."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
-    monkeypatch.setattr(placement_module, "available_cores", lambda: 2)
-    monkeypatch.setattr(placement_module, "physical_cores", lambda: 2)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # torch's default on a 2-core machine
-    try:
-        fake_clock({faster: 1 / 64, 3 - faster: 1 / 32})  # binary fractions: exact sums, exact ties
-        members = [tiny_member("qwen2.5-7b-instruct", 1), tiny_member("llama2", 2)]
-        ens = Ensemble(members)
-        placement = ens.placement
-        assert placement is not None and placement.chosen_by == "engine"
-        assert [t.name for t in placement.timings] == ens.names
-        assert all(t.step == {faster: 1 / 64, 3 - faster: 1 / 32} for t in placement.timings), placement.timings
-        assert (placement.alone, placement.verifying, placement.batch) == (faster, faster, faster)
-        assert placement.spare == (faster == 1)  # split 1 + 1 is as fast as each alone only on the first
-        seen: dict[str, set[int]] = {"drafter": set(), "verifiers": set()}
-        for member, side in zip(members, seen):
-            original = member.forward_many
+    fake_clock({faster: 1 / 64, 3 - faster: 1 / 32})  # binary fractions: exact sums, exact ties
+    members = [tiny_member("qwen2.5-7b-instruct", 1), tiny_member("llama2", 2)]
+    ens = Ensemble(members)
+    placement = ens.placement
+    assert placement is not None and placement.chosen_by == "engine"
+    assert [t.name for t in placement.timings] == ens.names
+    assert all(t.step == {faster: 1 / 64, 3 - faster: 1 / 32} for t in placement.timings), placement.timings
+    assert (placement.alone, placement.verifying, placement.batch) == (faster, faster, faster)
+    assert placement.spare == (faster == 1)  # split 1 + 1 is as fast as each alone only on the first
+    seen: dict[str, set[int]] = {"drafter": set(), "verifiers": set()}
+    for member, side in zip(members, seen):
+        original = member.forward_many
 
-            def counted(jobs, original=original, side=side):
-                seen[side].add(torch.get_num_threads())
-                return original(jobs)
+        def counted(jobs, original=original, side=side):
+            seen[side].add(torch.get_num_threads())
+            return original(jobs)
 
-            member.forward_many = counted
-        ens.generate(PROMPT, max_new_tokens=8, method="single")
-        ens.generate(PROMPT, max_new_tokens=12, schedule="rounds")
-        ens.generate_batch([PROMPT, "Hello there"], max_new_tokens=6)
-        assert seen == {"drafter": {faster}, "verifiers": {faster}}
-        assert torch.get_num_threads() == 2  # the caller's thread kept its count
-    finally:
-        torch.set_num_threads(before)
+        member.forward_many = counted
+    ens.generate(PROMPT, max_new_tokens=8, method="single")
+    ens.generate(PROMPT, max_new_tokens=12, schedule="rounds")
+    ens.generate_batch([PROMPT, "Hello there"], max_new_tokens=6)
+    assert seen == {"drafter": {faster}, "verifiers": {faster}}
+    assert torch.get_num_threads() == 2  # the caller's thread kept its count
 
 
-def test_measure_placement_follows_a_machine_whose_load_changed(fake_clock, monkeypatch):
+def test_measure_placement_follows_a_machine_whose_load_changed(two_cores, fake_clock, monkeypatch):
     """Built while one thread is the faster (a busy neighbour), the placement keeps that (an ensemble rebuilt
     over the same members too) until `measure_placement` times the forwards again: then two threads, which the
     next request's forwards use."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
-    monkeypatch.setattr(placement_module, "available_cores", lambda: 2)
-    monkeypatch.setattr(placement_module, "physical_cores", lambda: 2)
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # torch's default on a 2-core machine
-    try:
-        fake_clock({1: 1 / 64, 2: 1 / 2})
-        members = [tiny_member("qwen2.5-7b-instruct", 1), tiny_member("llama2", 2)]
-        ens = Ensemble(members)
-        assert ens.placement is not None and ens.placement.alone == 1
-        fake_clock({1: 1 / 32, 2: 1 / 64})  # the neighbour left
-        assert Ensemble(members).placement == ens.placement  # what was measured of these members is kept
-        placement = ens.measure_placement()
-        assert placement is ens.placement and placement is not None
-        assert (placement.alone, placement.verifying, placement.batch) == (2, 2, 2)
-        assert placement.timings[0].step == {1: 1 / 32, 2: 1 / 64}
-        seen: list[int] = []
-        original = members[0].forward_many
+    fake_clock({1: 1 / 64, 2: 1 / 2})
+    members = [tiny_member("qwen2.5-7b-instruct", 1), tiny_member("llama2", 2)]
+    ens = Ensemble(members)
+    assert ens.placement is not None and ens.placement.alone == 1
+    fake_clock({1: 1 / 32, 2: 1 / 64})  # the neighbour left
+    assert Ensemble(members).placement == ens.placement  # what was measured of these members is kept
+    placement = ens.measure_placement()
+    assert placement is ens.placement and placement is not None
+    assert (placement.alone, placement.verifying, placement.batch) == (2, 2, 2)
+    assert placement.timings[0].step == {1: 1 / 32, 2: 1 / 64}
+    seen: list[int] = []
+    original = members[0].forward_many
 
-        def counted(jobs):
-            seen.append(torch.get_num_threads())
-            return original(jobs)
+    def counted(jobs):
+        seen.append(torch.get_num_threads())
+        return original(jobs)
 
-        monkeypatch.setattr(members[0], "forward_many", counted)
-        ens.generate(PROMPT, max_new_tokens=6, method="single")
-        assert set(seen) == {2}
-        torch.set_num_threads(1)  # the user's choice now: kept, nothing timed
-        assert ens.measure_placement() == Placement(2, 1, 1, 1, 1, "user")
-    finally:
-        torch.set_num_threads(before)
+    monkeypatch.setattr(members[0], "forward_many", counted)
+    ens.generate(PROMPT, max_new_tokens=6, method="single")
+    assert set(seen) == {2}
+    torch.set_num_threads(1)  # the user's choice now: kept, nothing timed
+    assert ens.measure_placement() == Placement(2, 1, 1, 1, 1, "user")
 
 
 def test_a_hopeless_thread_count_is_timed_once(fake_clock, monkeypatch):
