@@ -27,3 +27,19 @@ def test_the_runtimes_side_by_side_in_the_docs_are_the_committed_run():
     runtimes = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines()[2:]]
     assert runtimes == ["llama.cpp", "torch float32", "torch int8"]
     assert table in (ROOT / "docs" / "speed.md").read_text()
+
+
+def test_what_the_docs_say_of_rows_only_where_the_scan_reads_is_the_committed_run():
+    result = json.loads((ROOT / "benchmarks" / "results" / "verifier_rows.json").read_text())
+    pair, three = result["runs"]
+    smollm2, gemma = pair["verification_passes"]["smollm2-135m"], three["verification_passes"]["gemma3-270m"]
+    gemma_layer = result["output_layer_ms"]["gemma3-270m"]["2 threads"]
+    said = " ".join((ROOT / "docs" / "speed.md").read_text().split())
+    assert result["cpu"]["model_name"] == "Intel(R) Xeon(R) Processor" and "(`verifier_rows.json`, Intel Xeon" in said
+    assert (
+        f"SmolLM2 computed {smollm2['rows']} rows in {smollm2['passes']} passes, of which {smollm2['readable']} "
+        f"could be read; with three members, gemma-3 computed {gemma['rows']} and {gemma['readable']} could be read"
+    ) in said
+    assert f"at 2 threads: {gemma_layer['3']:.0f} ms for 3 rows, {gemma_layer['4']:.0f} ms for 4" in said
+    shares = pair["bound_share_of_wall"] * 100, three["bound_share_of_wall"] * 100
+    assert f"{shares[0]:.1f} % of the pair's wall time and {shares[1]:.1f} % of the three members'" in said
