@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from safe_engine.bench import ratio_table
@@ -27,6 +28,26 @@ def test_the_runtimes_side_by_side_in_the_docs_are_the_committed_run():
     runtimes = [line.split(" | ")[0].removeprefix("| ") for line in table.splitlines()[2:]]
     assert runtimes == ["llama.cpp", "torch float32", "torch int8"]
     assert table in (ROOT / "docs" / "speed.md").read_text()
+
+
+def test_the_llamacpp_ratios_quoted_in_the_readme_and_docs_are_the_committed_run():
+    result = json.loads((ROOT / "benchmarks" / "results" / "llamacpp_speed.json").read_text())
+    ratios = result["ratios"]
+    single = ratios["engine single / llama-cpp-python (its faster thread count)"]
+    safe = ratios["SAFE llama.cpp / llama-cpp-python drafter alone"]
+    over_torch = ratios["SAFE llama.cpp / SAFE torch float32"]
+    batch = ratios["batch of 8 / one request (SAFE llama.cpp)"]
+    memory = ratios["resident memory llama.cpp / torch float32"]
+    floor = statistics.median(r["tokens"] / r["drafter_passes"] for r in result["runs"]["engine SAFE"])
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"runs at {single:.2f}× llama-cpp-python's own generation" in readme
+    assert f"members at {safe:.2f}× that and {over_torch:.1f}× SAFE over float32 torch members" in readme
+    assert f"in {memory:.2f}× the memory" in readme
+    said = " ".join((ROOT / "docs" / "llamacpp.md").read_text().split())
+    assert f"the engine's `single` runs at {single:.2f}x llama-cpp-python's own generation" in said
+    assert f"SAFE over the llama.cpp pair runs at {safe:.2f}x the llama.cpp drafter alone" in said
+    assert f"drafter's passes, is {floor:.2f}" in said and f"and {over_torch:.2f}x SAFE over float32" in said
+    assert f"a batch of 8 runs at {batch:.2f}x one request" in said and f"resident memory is {memory:.2f}x" in said
 
 
 def test_what_the_docs_say_of_rows_only_where_the_scan_reads_is_the_committed_run():
