@@ -40,9 +40,10 @@ THREE = [*PAIR, "gemma3-270m"]
 MAX_ROWS = 10
 
 
-def output_layer_ms(head: torch.nn.Module, hidden: int, threads: int, repeats: int) -> dict[int, float]:
+def output_layer_ms(head: torch.nn.Linear, threads: int, repeats: int) -> dict[int, float]:
     """Median milliseconds of `head` over 0..MAX_ROWS rows at `threads` threads (0 rows: not run)."""
     torch.set_num_threads(threads)
+    hidden = head.weight.shape[1]
     out = {0: 0.0}
     with torch.inference_mode():
         for rows in range(1, MAX_ROWS + 1):
@@ -93,10 +94,9 @@ def main() -> None:
     layers: dict[str, dict[str, dict[int, float]]] = {}
     for member in ens3.members:
         head = member.model.get_output_embeddings()
-        hidden = head.weight.shape[1]
         layers[member.name] = {
-            "1 thread": output_layer_ms(head, hidden, 1, args.repeats),
-            f"{cores} threads": output_layer_ms(head, hidden, cores, args.repeats),
+            "1 thread": output_layer_ms(head, 1, args.repeats),
+            f"{cores} threads": output_layer_ms(head, cores, args.repeats),
         }
     torch.set_num_threads(report["torch_threads_default"])
     report["output_layer_ms"] = layers

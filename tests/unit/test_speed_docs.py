@@ -1,4 +1,5 @@
-"""docs/speed.md's table of ratios per CPU is the committed benchmark JSON, regenerated (a drifted figure fails)."""
+"""The speed figures docs/speed.md, docs/llamacpp.md and the README quote are the committed benchmark JSON,
+regenerated or read back (a drifted figure fails)."""
 
 from __future__ import annotations
 
