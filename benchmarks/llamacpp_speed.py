@@ -96,6 +96,11 @@ RUNTIMES = {
 }
 
 
+def safe_floor(runs: list[dict[str, Any]]) -> float:
+    """SAFE's floor over its runs (median): the answer's tokens over the drafter's forward passes."""
+    return statistics.median(r["tokens"] / r["drafter_passes"] for r in runs)
+
+
 def runtime_table(result: dict[str, Any]) -> str:
     """Markdown: the drafter alone and SAFE per runtime (median tokens/s, the new tokens of the answer), over
     llama-cpp-python's own generation of the drafter's GGUF and SAFE over its own drafter alone, with the
@@ -115,8 +120,7 @@ def runtime_table(result: dict[str, Any]) -> str:
         a, b, mib = medians[single], medians[safe], result["resident_mib"][memory]
         cells = [result["topics"][runtime], f"{a:.1f} ({runs[single][0]['tokens']})"]
         cells.append(f"{b:.1f} ({runs[safe][0]['tokens']})")
-        floor = statistics.median(r["tokens"] / r["drafter_passes"] for r in runs[safe])
-        cells += [f"{a / own:.2f}", f"{b / own:.2f}", f"{b / a:.2f}", f"{floor:.2f}", f"{mib:,.0f}"]
+        cells += [f"{a / own:.2f}", f"{b / own:.2f}", f"{b / a:.2f}", f"{safe_floor(runs[safe]):.2f}", f"{mib:,.0f}"]
         lines.append(f"| {runtime} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 

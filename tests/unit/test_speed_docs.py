@@ -4,7 +4,6 @@ regenerated or read back (a drifted figure fails)."""
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 from safe_engine.bench import ratio_table
@@ -39,7 +38,7 @@ def test_the_llamacpp_ratios_quoted_in_the_readme_and_docs_are_the_committed_run
     over_torch = ratios["SAFE llama.cpp / SAFE torch float32"]
     batch = ratios["batch of 8 / one request (SAFE llama.cpp)"]
     memory = ratios["resident memory llama.cpp / torch float32"]
-    floor = statistics.median(r["tokens"] / r["drafter_passes"] for r in result["runs"]["engine SAFE"])
+    floor = load_benchmark("llamacpp_speed").safe_floor(result["runs"]["engine SAFE"])
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"runs at {single:.2f}× llama-cpp-python's own generation" in readme
     assert f"members at {safe:.2f}× that and {over_torch:.1f}× SAFE over float32 torch members" in readme
