@@ -25,6 +25,7 @@ from .packed import KVPool, packed_forward, supports_packing, use_packing
 from .penalties import penalize
 from .quantization import check_quantization, loading_config, quantize_int8
 from .rows import LocalRow, Row
+from .threads import on_short_lived_thread
 from .vocab import Vocab, tokenizer_lock
 
 
@@ -453,6 +454,6 @@ def load_member(
         ) from err
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not load model {spec.path!r}: {err}") from err
-    if quantization == "int8" and not extra:
-        quantize_int8(model)
+    if quantization == "int8" and not extra:  # its operators' thread team must not stay docked on the caller's
+        on_short_lived_thread(lambda: quantize_int8(model), "safe-quantize")
     return Member(model, tokenizer, name=spec_name(spec), chat_template=spec.chat_template)

@@ -39,6 +39,7 @@ import torch
 
 from ..errors import MemberError
 from .members import crop_cache
+from .threads import on_short_lived_thread
 
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _local = threading.local()
@@ -180,7 +181,6 @@ def measure_forwards(members: Sequence[Any], counts: Sequence[int], again: bool 
     worker thread that decodes streams and the server's requests: `make demo` fell to 1.0 tok/s that way.)"""
     key = tuple(counts)
     missing = [m for m in members if again or key not in _measured.get(m, {})]
-    failure: list[BaseException] = []
 
     def run() -> None:
         engine_thread()
@@ -188,22 +188,14 @@ def measure_forwards(members: Sequence[Any], counts: Sequence[int], again: bool 
             try:
                 _measured.setdefault(member, {})[key] = time_forwards(member, counts)
             except Exception as err:  # the member's first forward: say which member cannot run
-                failure.append(
-                    MemberError(
-                        f"member {member.name!r} failed a forward pass while the ensemble timed its thread counts: "
-                        f"{type(err).__name__}: {err}",
-                        member=member.name,
-                    )
-                )
-                failure[-1].__cause__ = err
-                return
+                raise MemberError(
+                    f"member {member.name!r} failed a forward pass while the ensemble timed its thread counts: "
+                    f"{type(err).__name__}: {err}",
+                    member=member.name,
+                ) from err
 
     if missing:
-        worker = threading.Thread(target=run, name="safe-measure")
-        worker.start()
-        worker.join()
-    if failure:
-        raise failure[0]
+        on_short_lived_thread(run, "safe-measure")
     return [_measured[m][key] for m in members]
 
 
