@@ -39,7 +39,7 @@ import torch
 
 from ..errors import MemberError
 from .members import crop_cache
-from .threads import on_short_lived_thread
+from .threads import on_short_lived_thread, release_thread_team
 
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _local = threading.local()
@@ -195,6 +195,7 @@ def measure_forwards(members: Sequence[Any], counts: Sequence[int], again: bool 
                 ) from err
 
     if missing:
+        release_thread_team()  # a team the caller's torch work docked here would throttle the timed ones
         on_short_lived_thread(run, "safe-measure")
     return [_measured[m][key] for m in members]
 
