@@ -35,15 +35,23 @@ def test_the_runtimes_side_by_side_in_the_docs_are_the_committed_runs():
         assert table in (ROOT / "docs" / "speed.md").read_text(), file.name
 
 
+def quoted_ratios(result: dict) -> tuple[float, ...]:
+    """What the docs quote of a `llamacpp_speed.py` run: single, SAFE, SAFE over torch, batch and memory ratios,
+    and SAFE's floor."""
+    ratios = result["ratios"]
+    return (
+        ratios["engine single / llama-cpp-python (its faster thread count)"],
+        ratios["SAFE llama.cpp / llama-cpp-python drafter alone"],
+        ratios["SAFE llama.cpp / SAFE torch float32"],
+        ratios["batch of 8 / one request (SAFE llama.cpp)"],
+        ratios["resident memory llama.cpp / torch float32"],
+        load_benchmark("llamacpp_speed").safe_floor(result["runs"]["engine SAFE"]),
+    )
+
+
 def test_the_llamacpp_ratios_quoted_in_the_readme_and_docs_are_the_committed_run():
     result = json.loads((ROOT / "benchmarks" / "results" / "llamacpp_speed.json").read_text())
-    ratios = result["ratios"]
-    single = ratios["engine single / llama-cpp-python (its faster thread count)"]
-    safe = ratios["SAFE llama.cpp / llama-cpp-python drafter alone"]
-    over_torch = ratios["SAFE llama.cpp / SAFE torch float32"]
-    batch = ratios["batch of 8 / one request (SAFE llama.cpp)"]
-    memory = ratios["resident memory llama.cpp / torch float32"]
-    floor = load_benchmark("llamacpp_speed").safe_floor(result["runs"]["engine SAFE"])
+    single, safe, over_torch, batch, memory, floor = quoted_ratios(result)
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"runs at {single:.2f}× llama-cpp-python's own generation" in readme
     assert f"members at {safe:.2f}× that and {over_torch:.1f}× SAFE over float32 torch members" in readme
@@ -58,13 +66,7 @@ def test_the_llamacpp_ratios_quoted_in_the_readme_and_docs_are_the_committed_run
 def test_the_amd_epyc_llamacpp_ratios_quoted_in_the_docs_are_its_committed_run():
     result = json.loads((ROOT / "benchmarks" / "results" / "llamacpp_speed_epyc.json").read_text())
     assert result["cpu"]["model_name"] == "AMD EPYC"
-    ratios = result["ratios"]
-    single = ratios["engine single / llama-cpp-python (its faster thread count)"]
-    safe = ratios["SAFE llama.cpp / llama-cpp-python drafter alone"]
-    over_torch = ratios["SAFE llama.cpp / SAFE torch float32"]
-    batch = ratios["batch of 8 / one request (SAFE llama.cpp)"]
-    memory = ratios["resident memory llama.cpp / torch float32"]
-    floor = load_benchmark("llamacpp_speed").safe_floor(result["runs"]["engine SAFE"])
+    single, safe, over_torch, batch, memory, floor = quoted_ratios(result)
     said = " ".join((ROOT / "docs" / "llamacpp.md").read_text().split())
     assert (
         f"`single` {single:.2f}x, SAFE {safe:.2f}x the drafter alone (floor {floor:.2f}) and {over_torch:.2f}x SAFE "
