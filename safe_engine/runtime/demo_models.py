@@ -651,6 +651,25 @@ def _tokenizer_into(gguf_path: Path, out_dir: Path, *, sha256: str, source: str)
     (out_dir / _MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
 
 
+def written_here(directory: str | Path) -> bool:
+    """Whether `directory` is one this module wrote from a GGUF file (a conversion or its tokenizer alone)."""
+    path = Path(directory).expanduser()
+    return path.parent in (cache_root() / "gguf", cache_root() / "tokenizers") and _is_converted(path)
+
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """The tokenizer of a directory this module wrote (`written_here`).
+
+    Its tokenizer.json, saved by transformers from the GGUF, is the whole pipeline, so transformers' generic
+    `TokenizersBackend` reads it as it is, in Rust. `AutoTokenizer` would pick the family's class, and some
+    (Qwen2Tokenizer, GemmaTokenizer) rebuild the pipeline from a Python parse of the file and keep the parse:
+    Qwen2.5's tokenizer then holds 128 MiB where this one holds about 50 (benchmarks/member_memory.py). The
+    two give the same ids, offsets, special tokens and chat text (tests/integration/test_demo_models.py)."""
+    from transformers import TokenizersBackend
+
+    return TokenizersBackend.from_pretrained(str(directory))
+
+
 def model_dir(name: str, *, progress: bool = True, verify: bool = False) -> Path:
     """Return the converted safetensors dir of demo model ``name`` (fetch + convert on first use).
 

@@ -470,8 +470,6 @@ def load_llamacpp_member(
     (`demo_models.tokenizer_dir`: the weights are never converted). Its context holds `positions` for all its
     requests together (default: one window, DEFAULT_CONTEXT; more lets more long requests run at once, at the
     cost of its KV memory)."""
-    from transformers import AutoTokenizer
-
     gguf = gguf_source(spec)
     if gguf is None:
         raise ConfigError(
@@ -487,5 +485,5 @@ def load_llamacpp_member(
         raise ConfigError(f"backend='llama.cpp' members run on the CPU here, not {spec.device or device!r}")
     # the tokenizer alone: the weights stay in the GGUF (a converted dir is used when one exists)
     pinned = demo_models.DEMO_MODELS[spec.path].sha256 if demo_models.is_demo_name(spec.path) else None
-    tokenizer = AutoTokenizer.from_pretrained(demo_models.tokenizer_dir(gguf, pinned))
+    tokenizer = demo_models.load_tokenizer(demo_models.tokenizer_dir(gguf, pinned))
     return LlamaCppMember(gguf, tokenizer, spec_name(spec), spec.chat_template, positions=positions)

@@ -443,7 +443,10 @@ def load_member(
     if (config := loading_config(quantization, device)) is not None:
         extra["quantization_config"] = config
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        if demo_models.written_here(source):
+            tokenizer = demo_models.load_tokenizer(source)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, device_map=device, trust_remote_code=trust_remote_code, **extra
         )

@@ -114,6 +114,34 @@ def test_the_tokenizer_saved_alone_is_the_converted_dirs(name, tmp_path, monkeyp
     assert alone.chat_template == converted.chat_template
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "smollm2-135m", "gemma3-270m"])
+def test_a_written_dir_loads_its_tokenizer_json_as_it_is(name):
+    """The engine reads a directory it wrote with transformers' generic backend (`load_tokenizer`: the
+    tokenizer.json in Rust, no Python parse kept), which must tokenize, decode and template exactly as the
+    family's own class that AutoTokenizer picks (Qwen2Tokenizer, GemmaTokenizer, ...)."""
+    directory = dm.tokenizer_dir(dm.fetch(name, progress=False), dm.DEMO_MODELS[name].sha256)
+    assert dm.written_here(directory) and not dm.written_here(directory.parent)
+    own = transformers.AutoTokenizer.from_pretrained(str(directory))
+    read = dm.load_tokenizer(directory)
+    assert type(read) is transformers.TokenizersBackend
+    for text in [*TEXTS, "<|im_end|><start_of_turn></s><s> specials as text", "", "\r\n\r\n  x"]:
+        for special in (True, False):
+            a = own(text, add_special_tokens=special, return_offsets_mapping=True)
+            b = read(text, add_special_tokens=special, return_offsets_mapping=True)
+            assert (b["input_ids"], b["offset_mapping"]) == (a["input_ids"], a["offset_mapping"]), (text, special)
+        ids = own.encode(text)
+        assert read.decode(ids) == own.decode(ids)
+        assert read.convert_ids_to_tokens(ids) == own.convert_ids_to_tokens(ids)
+    assert read.get_vocab() == own.get_vocab()
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "chat_template"):
+        assert getattr(read, attr) == getattr(own, attr), attr
+    if own.chat_template:
+        chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+        assert read.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == own.apply_chat_template(
+            chat, tokenize=False, add_generation_prompt=True
+        )
+
+
 def test_fetch_again_is_verified_and_cached():
     path = dm.fetch("smollm2-135m", progress=False)
     dm.verify_sha256(path, dm.DEMO_MODELS["smollm2-135m"].sha256)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import transformers
 
 from safe_engine import ConfigError, Ensemble, MemberError, ModelLoadError, ModelSpec
 from safe_engine.engine import scheduler
@@ -87,6 +88,8 @@ def test_a_llama_cpp_member_beside_a_torch_member(smol):
     gemma = load_member("gemma3-270m")  # torch, float32
     ens = Ensemble([smol, gemma])
     assert [m.backend for m in ens.members] == ["llama.cpp", "torch"]
+    # a directory written from a GGUF is read with its tokenizer.json as it is, not GemmaTokenizer's Python parse
+    assert type(gemma.tokenizer) is transformers.TokenizersBackend
     res = ens.generate(STORY, max_new_tokens=48)
     words = res.text.split()
     assert len(words) >= 15 and sum(w.isalpha() for w in words) / len(words) > 0.6, res.text  # fluent prose
@@ -157,6 +160,14 @@ def test_the_scheduler_admits_llama_cpp_requests_as_their_positions_fit(smol, mo
     together = ens.generate_batch(prompts, max_new_tokens=20, method="single")
     assert all(r.stats.tokens == 20 for r in together) and together[2].text == alone[2]
     assert max(len(r) for r in rounds) == 2 and rounds[-1] == [first[2]]  # the third ran once there was room
+
+
+def test_a_llama_cpp_member_reads_its_tokenizer_json_as_it_is():
+    """Not Qwen2Tokenizer, which keeps a Python parse of the file (128 MiB against about 50 for Qwen2.5:
+    benchmarks/member_memory.py); the vocabulary check at load still compares every id's bytes."""
+    qwen = load_llamacpp_member(ModelSpec("qwen2.5-coder-0.5b"))
+    assert type(qwen.tokenizer) is transformers.TokenizersBackend
+    assert qwen.tokenizer.encode(STORY) == _tokenizer("qwen2.5-coder-0.5b").encode(STORY)
 
 
 def test_a_tokenizer_that_does_not_spell_the_gguf_is_refused():
