@@ -91,3 +91,26 @@ def test_what_the_docs_say_of_rows_only_where_the_scan_reads_is_the_committed_ru
     assert f"at 2 threads: {gemma_layer['3']:.0f} ms for 3 rows, {gemma_layer['4']:.0f} ms for 4" in said
     shares = pair["bound_share_of_wall"] * 100, three["bound_share_of_wall"] * 100
     assert f"{shares[0]:.1f} % of the pair's wall time and {shares[1]:.1f} % of the three members'" in said
+
+
+def test_the_memory_the_llamacpp_docs_quote_is_the_committed_run():
+    result = json.loads((ROOT / "benchmarks" / "results" / "member_memory_epyc.json").read_text())
+    assert result["cpu"]["model_name"] == "AMD EPYC"
+    mib = {name: round(m["mib"]) for name, m in result["resident_mib"].items()}
+    fast = result["resident_mib"]["llama.cpp"]
+    said = " ".join((ROOT / "docs" / "llamacpp.md").read_text().split())
+    assert (
+        f"adds {mib['llama.cpp']:,} MiB with llama.cpp members, {mib['torch float32']:,} with float32 torch members "
+        f"and {mib['torch int8']:,} with int8 ones: llama.cpp is "
+        f"{result['ratios']['resident memory llama.cpp / torch float32']:.2f}x float32"
+    ) in said
+    assert f"Of the {mib['llama.cpp']:,} MiB, {fast['mib'] - fast['anonymous_mib']:.0f} are the GGUF files'" in said
+    assert f"and {fast['anonymous_mib']:.0f} are anonymous" in said
+    qwen, smol = mib["qwen2.5-coder-0.5b:load_tokenizer"], mib["smollm2-135m:load_tokenizer"]
+    assert f"the Hugging Face tokenizers the engine encodes with, {qwen} + {smol} MiB" in said
+    assert (
+        f"Qwen2.5's tokenizer keeps {qwen} MiB against {mib['qwen2.5-coder-0.5b:AutoTokenizer']}, gemma-3's "
+        f"{mib['gemma3-270m:load_tokenizer']} against {mib['gemma3-270m:AutoTokenizer']}, SmolLM2's {smol} either way"
+    ) in said
+    assert mib["smollm2-135m:AutoTokenizer"] == smol
+    assert f"memory 0.39x ({result['ratios']['resident memory llama.cpp / torch float32']:.2f}x since" in said
