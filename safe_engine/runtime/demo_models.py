@@ -653,8 +653,8 @@ def _tokenizer_into(gguf_path: Path, out_dir: Path, *, sha256: str, source: str)
 
 def written_here(directory: str | Path) -> bool:
     """Whether `directory` is one this module wrote from a GGUF file (a conversion or its tokenizer alone)."""
-    path = Path(directory).expanduser()
-    return path.parent in (cache_root() / "gguf", cache_root() / "tokenizers") and _is_converted(path)
+    path, root = Path(directory).expanduser().resolve(), cache_root().expanduser().resolve()
+    return path.parent in (root / "gguf", root / "tokenizers") and _is_converted(path)
 
 
 def load_tokenizer(directory: str | Path) -> Any:

@@ -120,7 +120,8 @@ def test_a_written_dir_loads_its_tokenizer_json_as_it_is(name):
     tokenizer.json in Rust, no Python parse kept), which must tokenize, decode and template exactly as the
     family's own class that AutoTokenizer picks (Qwen2Tokenizer, GemmaTokenizer, ...)."""
     directory = dm.tokenizer_dir(dm.fetch(name, progress=False), dm.DEMO_MODELS[name].sha256)
-    assert dm.written_here(directory) and not dm.written_here(directory.parent)
+    assert dm.written_here(directory) and dm.written_here(f"{directory}/../{directory.name}/")
+    assert not dm.written_here(directory.parent)
     own = transformers.AutoTokenizer.from_pretrained(str(directory))
     read = dm.load_tokenizer(directory)
     assert type(read) is transformers.TokenizersBackend
