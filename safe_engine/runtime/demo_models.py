@@ -663,7 +663,7 @@ def load_tokenizer(directory: str | Path) -> Any:
     Its tokenizer.json, saved by transformers from the GGUF, is the whole pipeline, so transformers' generic
     `TokenizersBackend` reads it as it is, in Rust. `AutoTokenizer` would pick the family's class, and some
     (Qwen2Tokenizer, GemmaTokenizer) rebuild the pipeline from a Python parse of the file and keep the parse:
-    Qwen2.5's tokenizer then holds 128 MiB where this one holds about 50 (benchmarks/member_memory.py). The
+    Qwen2.5's tokenizer then keeps 104 MiB where this one keeps 54 (benchmarks/member_memory.py). The
     two give the same ids, offsets, special tokens and chat text (tests/integration/test_demo_models.py)."""
     from transformers import TokenizersBackend
 

@@ -163,7 +163,7 @@ def test_the_scheduler_admits_llama_cpp_requests_as_their_positions_fit(smol, mo
 
 
 def test_a_llama_cpp_member_reads_its_tokenizer_json_as_it_is():
-    """Not Qwen2Tokenizer, which keeps a Python parse of the file (128 MiB against about 50 for Qwen2.5:
+    """Not Qwen2Tokenizer, which keeps a Python parse of the file (104 MiB against 54 for Qwen2.5:
     benchmarks/member_memory.py); the vocabulary check at load still compares every id's bytes."""
     qwen = load_llamacpp_member(ModelSpec("qwen2.5-coder-0.5b"))
     assert type(qwen.tokenizer) is transformers.TokenizersBackend
