@@ -5,7 +5,8 @@ reused by the next, and the parts are split out:
 
 - the demo pair (Qwen2.5-Coder-0.5B drafting, SmolLM2-135M verifying) on each runtime: llama.cpp, torch
   float32, torch int8. The resident set grown by loading it and running 8 tokens of a chat answer (what
-  `llamacpp_speed.py` reports), its anonymous part (the rest is the mapped GGUF), and the ratios to float32;
+  `llamacpp_speed.py` reports), its anonymous part (the rest is mapped weights: the GGUF files, or the
+  safetensors torch reads), and the ratios to float32;
 - the pair's tokenizers and gemma-3-270m's as the engine loads them (`demo_models.load_tokenizer`: the
   tokenizer.json read as it is) against the family's class that `AutoTokenizer` picks (Qwen2Tokenizer and
   GemmaTokenizer keep a Python parse of the file).
