@@ -98,11 +98,11 @@ def test_the_memory_the_llamacpp_docs_quote_is_the_committed_run():
     assert result["cpu"]["model_name"] == "AMD EPYC"
     mib = {name: round(m["mib"]) for name, m in result["resident_mib"].items()}
     fast = result["resident_mib"]["llama.cpp"]
+    ratio = result["ratios"]["resident memory llama.cpp / torch float32"]
     said = " ".join((ROOT / "docs" / "llamacpp.md").read_text().split())
     assert (
         f"adds {mib['llama.cpp']:,} MiB with llama.cpp members, {mib['torch float32']:,} with float32 torch members "
-        f"and {mib['torch int8']:,} with int8 ones: llama.cpp is "
-        f"{result['ratios']['resident memory llama.cpp / torch float32']:.2f}x float32"
+        f"and {mib['torch int8']:,} with int8 ones: llama.cpp is {ratio:.2f}x float32"
     ) in said
     assert f"Of the {mib['llama.cpp']:,} MiB, {fast['mib'] - fast['anonymous_mib']:.0f} are the GGUF files'" in said
     assert f"and {fast['anonymous_mib']:.0f} are anonymous" in said
@@ -113,4 +113,4 @@ def test_the_memory_the_llamacpp_docs_quote_is_the_committed_run():
         f"{mib['gemma3-270m:load_tokenizer']} against {mib['gemma3-270m:AutoTokenizer']}, SmolLM2's {smol} either way"
     ) in said
     assert mib["smollm2-135m:AutoTokenizer"] == smol
-    assert f"memory 0.39x ({result['ratios']['resident memory llama.cpp / torch float32']:.2f}x since" in said
+    assert f"memory 0.39x ({ratio:.2f}x since" in said
