@@ -6,7 +6,8 @@ reused by the next, and the parts are split out:
 - the demo pair (Qwen2.5-Coder-0.5B drafting, SmolLM2-135M verifying) on each runtime: llama.cpp, torch
   float32, torch int8. The resident set grown by loading it and running 8 tokens of a chat answer (what
   `llamacpp_speed.py` reports), its anonymous part (the rest is mapped weights: the GGUF files, or the
-  safetensors torch reads), and the ratios to float32;
+  safetensors torch reads), and the ratios to float32; then the same after a second answer of 256 tokens
+  (KV caches grow with what the requests hold, on every runtime);
 - the pair's tokenizers and gemma-3-270m's as the engine loads them (`demo_models.load_tokenizer`: the
   tokenizer.json read as it is) against the family's class that `AutoTokenizer` picks (Qwen2Tokenizer and
   GemmaTokenizer keep a Python parse of the file).
@@ -31,6 +32,7 @@ CHAT = [{"role": "user", "content": "Write a long, detailed story about a lighth
 RUNTIMES = {"llama.cpp": ("llama.cpp", None), "torch float32": ("torch", None), "torch int8": ("torch", "int8")}
 TOKENIZER_MODELS = [*MODELS, "gemma3-270m"]
 TOKENIZER_LOADERS = ("load_tokenizer", "AutoTokenizer")
+LONG = 256  # tokens of the second answer, as the speed benchmarks'
 
 
 def _resident() -> tuple[float, float]:
@@ -52,7 +54,15 @@ def _ensemble(runtime: str) -> dict[str, float]:
     ens.generate(messages=CHAT, max_new_tokens=8)  # (loading ends by giving the freed heap back to the OS)
     rss2, anon2 = _resident()
     assert {m.backend for m in ens.members} == {backend}, "install the llamacpp extra"
-    return {"mib": rss2 - rss, "anonymous_mib": anon2 - anon}
+    long = ens.generate(messages=CHAT, max_new_tokens=LONG)  # the caches grow with an answer, on each runtime
+    rss3, anon3 = _resident()
+    return {
+        "mib": rss2 - rss,
+        "anonymous_mib": anon2 - anon,
+        f"mib_after_{LONG}": rss3 - rss,
+        f"anonymous_mib_after_{LONG}": anon3 - anon,
+        f"tokens_of_the_{LONG}": long.stats.tokens,
+    }
 
 
 def _tokenizer(model: str, loader: str) -> dict[str, float]:
@@ -114,6 +124,8 @@ def main() -> int:
         "ratios": {
             "resident memory llama.cpp / torch float32": mib["llama.cpp"]["mib"] / float32,
             "resident memory torch int8 / torch float32": mib["torch int8"]["mib"] / float32,
+            f"resident memory llama.cpp / torch float32 after {LONG} tokens": mib["llama.cpp"][f"mib_after_{LONG}"]
+            / mib["torch float32"][f"mib_after_{LONG}"],
             **{
                 f"{m} tokenizer load_tokenizer / AutoTokenizer": mib[f"{m}:load_tokenizer"]["mib"]
                 / mib[f"{m}:AutoTokenizer"]["mib"]

@@ -8,6 +8,7 @@ llama-cpp-python's low-level API (`llama_cpp.llama_cpp`):
   (`LlamaSequence`), so a batch of requests is one `llama_decode` and continuous batching keeps working;
 - a verification pass is one `llama_decode` with a logits flag on exactly the positions that need a row;
 - rollback is `llama_memory_seq_rm(memory, seq, start, -1)` before the next pass;
+- the context starts small and doubles as its requests hold more positions, so its KV memory follows use;
 - tokens come from the member's Hugging Face tokenizer (a GGUF's ids are the tokenizer's by construction),
   checked at load: every id's bytes in llama.cpp must equal the engine's byte view of the tokenizer;
 - rows are the logits as float32 torch tensors, so penalties, logit_bias, logprobs, grammars, sampling and
@@ -46,6 +47,7 @@ from .members import Job, Member, ModelSpec, resolve_spec, spec_name
 from .placement import cpu_info, cpu_model
 
 DEFAULT_CONTEXT = 4096  # positions shared by a member's sequences (kv_unified)
+FIRST_CONTEXT = 256  # positions a context starts with; it doubles as its requests come to hold more
 PIECE_BUFFER = 256  # bytes for one token's piece (the high-level wrappers use 32 and cut longer ones)
 INSTALL = (
     "pip install 'langchain-safe[llamacpp]' (builds llama.cpp from source, about 9 minutes on 2 cores; "
@@ -171,7 +173,8 @@ class LlamaCppMember(Member):
     """A GGUF model in llama.cpp with its Hugging Face tokenizer on the engine's side."""
 
     backend = "llama.cpp"
-    positions: int  # the context's positions, shared by this member's requests (set at load)
+    positions: int  # the most positions its context grows to, shared by this member's requests (set at load)
+    allocated: int  # the positions its context has now
 
     def __init__(
         self,
@@ -214,21 +217,19 @@ class LlamaCppMember(Member):
                 f"give kv_positions >= {context} (the positions all of the member's requests share)"
             )
         self.positions = positions or max(context, DEFAULT_CONTEXT)  # shared by its requests (see Member)
-        params = ll.llama_context_default_params()
-        params.n_ctx = self.positions
-        params.n_batch = context  # a prompt is one pass
+        self._params = params = ll.llama_context_default_params()
+        params.n_batch = context  # a prompt is one pass (llama.cpp caps it at the context's size)
         params.n_ubatch = min(512, context)
         params.n_seq_max = sequences
         params.kv_unified = True  # the sequences share the context's positions
         params.n_threads = params.n_threads_batch = torch.get_num_threads()
         params.no_perf = True
         params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama-cpp-python's `Llama` (same rows)
-        self._ctx = ll.llama_init_from_model(self._model, params)
-        if not self._ctx:
-            raise ModelLoadError(f"llama.cpp could not create a context of {self.positions} positions for {path.name}")
-        self._native[1] = self._ctx
-        self._memory = ll.llama_get_memory(self._ctx)
         self._threads = int(params.n_threads)
+        ctx = self._new_context(min(FIRST_CONTEXT, self.positions))
+        if ctx is None:
+            raise ModelLoadError(f"llama.cpp could not create a context for {path.name}")
+        self._set_context(ctx)
         self.sequences = sequences
         self._free = list(range(sequences))
         self._free_lock = threading.Lock()
@@ -315,7 +316,7 @@ class LlamaCppMember(Member):
                         "positions",
                         member=self.name,
                     )
-            self._check_room(jobs)
+            self._make_room(jobs)
             batch = self._batch_for(total)
             i = 0
             for job in jobs:
@@ -357,18 +358,69 @@ class LlamaCppMember(Member):
                 i += len(job.ids)
         return out
 
-    def _check_room(self, jobs: Sequence[Job]) -> None:
-        """Refuse a pass that would hold more positions than the context has, before llama.cpp sees it (the
-        scheduler admits requests so that this does not happen: `Generation.reserved_positions`)."""
+    def _make_room(self, jobs: Sequence[Job]) -> None:
+        """Refuse a pass that would hold more positions than the member's `positions`, before llama.cpp sees it
+        (the scheduler admits requests so that this does not happen: `Generation.reserved_positions`); grow the
+        context first if the pass needs more than it has now."""
         after = dict(self._held)
         for job in jobs:
             after[job.cache.seq if job.cache.seq is not None else -1 - id(job)] = job.start + len(job.ids)
-        if sum(after.values()) > self.positions:
+        needed = sum(after.values())
+        if needed > self.positions:
             raise MemberError(
-                f"member {self.name!r}: its requests would hold {sum(after.values())} positions, more than the "
+                f"member {self.name!r}: its requests would hold {needed} positions, more than the "
                 f"{self.positions} its llama.cpp context shares among them; lower max_batch_size or max_new_tokens",
                 member=self.name,
             )
+        if needed > self.allocated:
+            self._grow(needed)
+
+    # -- the context: it starts small and grows -----------------------------------------------------------
+    # Why: llama.cpp allocates (and clears) a context's whole KV cache when the context is made, 138 MiB for
+    # the demo pair's 4,096 positions. A context that starts at FIRST_CONTEXT positions and doubles when a pass
+    # needs more keeps the KV memory near what the requests hold, as a torch member's cache does; it never
+    # shrinks. A growth makes a larger context and copies every cell into it, in order (the same f16 values).
+    # What holds: where the used cells had no free ones between them (always with one request), the rows that
+    # follow are bit for bit the larger context's own. Cells freed in the middle (a request that ended) are
+    # closed up by the copy, so later passes lay their cells out otherwise, and quantized kernels may then
+    # differ in the last bits, as with any change of batch (docs/llamacpp.md).
+    def _new_context(self, size: int) -> Any:
+        """A context of `size` positions with the member's settings, or None where llama.cpp cannot make one."""
+        self._params.n_ctx = size
+        self._params.n_threads = self._params.n_threads_batch = self._threads
+        return self._ll.llama_init_from_model(self._model, self._params) or None
+
+    def _set_context(self, ctx: Any) -> None:
+        self._ctx = self._native[1] = ctx
+        self._memory = self._ll.llama_get_memory(ctx)
+        self.allocated = int(self._ll.llama_n_ctx(ctx))  # llama.cpp may round the size up
+
+    def _grow(self, needed: int) -> None:
+        """Move every sequence into a context of at least `needed` positions (doubling, at most `positions`).
+        The copies are taken before this pass cuts its sequences back, so they may need what they hold now."""
+        ll = self._ll
+        needed = max(needed, sum(self._held.values()))
+        size = self.allocated
+        while size < needed:
+            size *= 2
+        size = min(size, self.positions)
+        ctx = self._new_context(size)
+        moved = ctx is not None
+        if moved:  # sequence -1: every cell, in its order, with its positions and sequence ids
+            state = (ctypes.c_uint8 * ll.llama_state_seq_get_size(self._ctx, -1))()
+            written = ll.llama_state_seq_get_data(self._ctx, state, len(state), -1)
+            moved = ll.llama_state_seq_set_data(ctx, state, written, -1) == written
+            if not moved:
+                ll.llama_free(ctx)
+        if not moved:  # the old context is untouched: its requests go on where they were
+            raise MemberError(
+                f"member {self.name!r}: llama.cpp could not grow its context to {size} positions "
+                f"(it holds {self.allocated}); lower max_batch_size or max_new_tokens",
+                member=self.name,
+            )
+        old, self._native[1] = self._ctx, None
+        ll.llama_free(old)
+        self._set_context(ctx)
 
     def forward(self, ids: list[int], cache: Any, keep: int = 1) -> torch.Tensor:
         """Logits (float32) of the last `keep` of `ids`, appended to what `cache` already holds."""

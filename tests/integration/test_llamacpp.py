@@ -71,6 +71,49 @@ def test_rollback_then_redecode_gives_the_same_logits(smol):
         smol.release(cache)
 
 
+def test_the_context_grows_as_its_requests_need_and_reads_as_a_full_size_one(monkeypatch):
+    """A context starts at FIRST_CONTEXT positions (llama.cpp allocates its whole KV cache when it is made) and
+    doubles when a pass needs more, copying every cell in order: with two requests, rollbacks included, every row
+    across the growths equals the row of a context made at full size from the start. (Copying each sequence on
+    its own instead gave rows up to 1.2 apart here, 26 argmax flips in 300: quantized kernels read the cells'
+    layout.)"""
+    gguf, tok = demo_models.gguf_path("smollm2-135m"), _tokenizer("smollm2-135m")
+    grown = LlamaCppMember(gguf, tok)
+    monkeypatch.setattr(llamacpp, "FIRST_CONTEXT", llamacpp.DEFAULT_CONTEXT)
+    whole = LlamaCppMember(gguf, tok)
+    assert (grown.allocated, whole.allocated) == (256, 4096)
+    ids = list(range(1000, 1600))
+    passes = [("a", 0, ids[:200]), ("b", 0, ids[:100]), ("a", 200, ids[200:400]), ("a", 390, ids[390:395])]
+    passes += [("b", 100, ids[100:400]), ("a", 395, ids[395:600])]  # the last two grow it to 512, then 1024
+    rows: dict[LlamaCppMember, list[torch.Tensor]] = {grown: [], whole: []}
+    sizes = []
+    for member in (grown, whole):
+        caches = {"a": member.new_cache(), "b": member.new_cache()}
+        for name, start, chunk in passes:
+            crop_cache(caches[name], start)  # the 4th pass rolls "a" back by 10 positions
+            rows[member].append(member.forward(chunk, caches[name], keep=len(chunk)))
+            sizes.append(member.allocated)
+        for cache in caches.values():
+            member.release(cache)
+    assert sizes == [256, 512, 512, 512, 1024, 1024] + [4096] * len(passes)
+    assert all(torch.equal(g, w) for g, w in zip(rows[grown], rows[whole], strict=True))
+
+
+def test_a_growth_that_fails_leaves_the_context_as_it_was():
+    """If llama.cpp cannot make the larger context, the pass is a MemberError and the requests go on in the
+    context they had."""
+    member = LlamaCppMember(demo_models.gguf_path("smollm2-135m"), _tokenizer("smollm2-135m"))
+    cache = member.new_cache()
+    before = member.forward(list(range(100, 300)), cache, keep=200)
+    member._new_context = lambda size: None
+    with pytest.raises(MemberError, match="could not grow its context to 512 positions"):
+        member.forward(list(range(300, 400)), cache)
+    assert (member.allocated, cache.length) == (llamacpp.FIRST_CONTEXT, 200)
+    crop_cache(cache, 150)
+    assert torch.equal(member.forward(list(range(250, 300)), cache, keep=50), before[150:])
+    member.release(cache)
+
+
 def test_two_copies_ensemble_only_where_the_model_is_unsure(smol):
     """Two copies of one torch model never ensemble (their rows are equal). Here a verifier's 5-token pass and the
     drafter's one-token steps differ in the last bits (quantized kernels are not batch-invariant), so what holds
