@@ -144,9 +144,10 @@ class Ensemble:
         `member_resources` per actor (a dict for all, or a list per member, e.g. {"num_gpus": 1}) and
         `member_timeout_s` per actor call (default 120 s). See docs/ray.md.
 
-        `kv_positions`: the KV positions each llama.cpp member's context holds for all its requests together
-        (default: one request's window, 4,096); more lets more long requests decode at once, for more KV
-        memory (docs/llamacpp.md). Refused where no member runs in llama.cpp.
+        `kv_positions`: the most KV positions each llama.cpp member's context holds for all its requests together
+        (default: one request's window, 4,096; the context starts at 256 and doubles as its requests hold more);
+        more lets more long requests decode at once, for more KV memory (docs/llamacpp.md). Refused where no
+        member runs in llama.cpp.
         """
         if isinstance(specs, str | ModelSpec) or not isinstance(specs, Sequence) or not specs:
             raise InputTypeError("specs must be a non-empty list of model specs, e.g. ['smollm2-135m', 'gemma3-270m']")
