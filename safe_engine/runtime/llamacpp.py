@@ -222,10 +222,9 @@ class LlamaCppMember(Member):
         params.n_ubatch = min(512, context)
         params.n_seq_max = sequences
         params.kv_unified = True  # the sequences share the context's positions
-        params.n_threads = params.n_threads_batch = torch.get_num_threads()
         params.no_perf = True
         params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as llama-cpp-python's `Llama` (same rows)
-        self._threads = int(params.n_threads)
+        self._threads = torch.get_num_threads()  # every context is made with the member's thread count
         ctx = self._new_context(min(FIRST_CONTEXT, self.positions))
         if ctx is None:
             raise ModelLoadError(f"llama.cpp could not create a context for {path.name}")
@@ -382,8 +381,8 @@ class LlamaCppMember(Member):
     # shrinks. A growth makes a larger context and copies every cell into it, in order (the same f16 values).
     # What holds: where the used cells had no free ones between them (always with one request), the rows that
     # follow are bit for bit the larger context's own. Cells freed in the middle (a request that ended) are
-    # closed up by the copy, so later passes lay their cells out otherwise, and quantized kernels may then
-    # differ in the last bits, as with any change of batch (docs/llamacpp.md).
+    # closed up by the copy, so later passes lay their cells out otherwise, and their rows may then differ
+    # from a full-size context's as rows differ with any change of batch (docs/llamacpp.md).
     def _new_context(self, size: int) -> Any:
         """A context of `size` positions with the member's settings, or None where llama.cpp cannot make one."""
         self._params.n_ctx = size
