@@ -19,7 +19,7 @@ from ..runtime.members import Track
 from ..runtime.rows import Row
 from ..runtime.vocab import Vocab, token_starts
 
-__all__ = ["Verification", "boundaries", "common_boundaries", "token_starts"]
+__all__ = ["Verification", "boundaries", "common_boundaries", "texts_held", "token_starts"]
 
 FREEZE_MARGIN = 4  # tokens before the end of the accepted text that stay open to re-tokenization
 _SPACE = b" \t\n\r\x0b\x0c"
@@ -34,6 +34,27 @@ def boundaries(vocab: Vocab, text: bytes) -> set[int]:
 def common_boundaries(vocabs: Sequence[Vocab], text: bytes) -> set[int]:
     """Offsets that are token boundaries for every tokenizer: the only places SAFE may ensemble."""
     return set.intersection(*(boundaries(v, text) for v in vocabs))
+
+
+def texts_held(track: Track, text: bytes, ends: Sequence[int], id_counts: Sequence[int] | None) -> int:
+    """How many of the texts `text[:end]` for `ends` (the accepted text, then one more drafted token each) the
+    verifier can score within its context window, counted from the first: the text ends before the first it
+    cannot. Every one is counted, not only the longest, so the answer ends before the same token whatever
+    the schedule drafted it in (a 5-token round or the overlap's chunk of one), and a tokenizer whose count
+    shrinks as text grows (BPE merges) cannot hide one. `id_counts`: the generated ids of each, for a
+    verifier that scores the drafter's own ids (a byte-identical vocabulary)."""
+    window = track.member.context_window
+    if window is None:
+        return len(ends)
+    if id_counts is not None:
+        return next((j for j, n in enumerate(id_counts) if track.prompt_len + n >= window), len(ends))
+    head, base = track.prompt_len + track.frozen_ids, track.frozen_bytes
+    if head + 2 * (ends[-1] - base) + 2 < window:  # far from it: a token spells a byte or more of the text
+        return len(ends)  # (a normalizer may expand it; twice its bytes leaves room for that)
+    for j, end in enumerate(ends):
+        if head + len(track.member.vocab.encode(text[base:end])[0]) >= window:
+            return j
+    return len(ends)
 
 
 class Verification:
@@ -69,13 +90,10 @@ class Verification:
         new_ids = track.ids[:head] + ids
         track.cached = min(track.cached, head + _common_prefix(track.ids[head:], ids))
         track.ids = new_ids
-        self.too_long = track.full
+        assert not track.full, "the text was cut to what the verifier's window holds (`texts_held`)"
         # text offset -> (index of the row predicting the token that starts there, that token or None at end)
         self.at: dict[int, tuple[int, int | None]] = {}
         self.rows: list[Row] = []
-        self.job = None  # the forward to run; None when scoring would run the model past its window
-        if self.too_long:
-            return
         self._k_first = bisect_left(starts, first_offset)
         self.job, self._first_row = track.job(config, head + self._k_first - 1)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from itertools import accumulate
 
 from ..errors import GenerationTimeout, InputError, drop_frame_locals
 from ..runtime.members import Job, Member, Track
@@ -35,7 +36,7 @@ from ..runtime.rows import Draws, Row
 from ..shaping.constrained import Constraint
 from ..shaping.request import Request
 from ..stats import EnsemblePoint, EnsembleStats, GenerationResult
-from .alignment import Verification
+from .alignment import Verification, texts_held
 from .decision import Judge
 from .drafting import UNSURE, Drafting
 from .handover import Handover
@@ -182,45 +183,71 @@ class Generation:
 
         Nothing is verified for `single`, or where no drafted position can be an ensemble point whatever
         the verifiers say (GaC with a confident drafter everywhere). Without gates (every-token ensembling)
-        a verifier reads only the accepted text, as it would generating alone; otherwise also the draft."""
-        draft = rnd.draft
-        if not self.strategy.ensembles or all(self.judge.drafter_confident(row) for row in draft.rows):
+        a verifier reads only the accepted text, as it would generating alone; otherwise also the draft.
+        Where a verifier's context window cannot hold it all, the text ends before the first drafted token
+        it cannot score (`rnd.window`), in every schedule."""
+        if not self.strategy.ensembles:
             return []
-        drafter = self.drafter
-        accepted = bytes(self.buffer.data)
-        generated = drafter.ids[drafter.prompt_len : drafter.prompt_len + self.stats.tokens]
-        text = accepted
-        if self.gates:
-            seen = rnd.seen
-            if seen == 0:
-                return []  # overlap: nothing drafted before this round's token yet
-            text += b"".join(draft.pieces[:seen])
-            generated += [t for t, piece in zip(draft.ids[:seen], draft.pieces[:seen]) if piece]  # control: no text
-        own = drafter.member.vocab.fingerprint
+        draft = rnd.draft
+        pieces = draft.pieces[: rnd.seen] if self.gates else []
+        texts = self._texts_held([], [], pieces)
+        if texts <= len(pieces):
+            rnd.window, rnd.to_draft = max(texts - 1, 0), 0
+            pieces = pieces[: rnd.window]
+        if self.gates and not pieces:
+            return []  # overlap: nothing drafted before this round's token yet (or no drafted token fits)
+        if texts == 0 or all(self.judge.drafter_confident(row) for row in draft.rows):
+            return []
+        text, generated = self._text_with(pieces), self._ids_with(draft.ids, pieces)
+        own, accepted = self.drafter.member.vocab.fingerprint, len(self.buffer)
         rnd.checks = [
-            Verification(t, text, len(accepted), generated if t.member.vocab.fingerprint == own else None, self.config)
+            Verification(t, text, accepted, generated if t.member.vocab.fingerprint == own else None, self.config)
             for t in self.verifiers
         ]
         return rnd.checks
 
+    def _text_with(self, pieces: list[bytes]) -> bytes:
+        """The accepted text, then `pieces`."""
+        return bytes(self.buffer.data) + b"".join(pieces)
+
+    def _ids_with(self, ids: list[int], pieces: list[bytes]) -> list[int]:
+        """The drafter's accepted ids, then those of `ids` that spell text (`pieces`: control tokens spell none)."""
+        drafter = self.drafter
+        accepted = drafter.ids[drafter.prompt_len : drafter.prompt_len + self.stats.tokens]
+        return accepted + [t for t, piece in zip(ids, pieces) if piece]
+
+    def _texts_held(self, ids: list[int], pieces: list[bytes], more: list[bytes]) -> int:
+        """How many of the texts accepted + `pieces` + more[:j] (j = 0, 1, ...) every verifier's window holds
+        (`ids`: the tokens that spell `pieces`)."""
+        start = self._text_with(pieces)
+        text = start + b"".join(more)
+        ends = list(accumulate(map(len, more), initial=len(start)))
+        counts = list(accumulate((1 if piece else 0 for piece in more), initial=len(self._ids_with(ids, pieces))))
+        own = self.drafter.member.vocab.fingerprint
+        return min(
+            (texts_held(t, text, ends, counts if t.member.vocab.fingerprint == own else None) for t in self.verifiers),
+            default=len(ends),
+        )
+
     def end_round(self, rnd: Round) -> None:
         """Scan the verified draft, accept what stands, crop caches; finish when the text is complete."""
         draft, checks = rnd.draft, rnd.checks
-        if any(c.too_long for c in checks):
-            self._finish("length")
+        if not checks:  # nothing could be an ensemble point (single, a confident GaC drafter) or nothing seen
+            kept, replacement = rnd.seen, None
+            if kept < len(draft):  # overlap: the token drafted this round waits for the verifiers
+                rnd.carry = draft.cut(kept)
         else:
-            if not checks:  # nothing could be an ensemble point (single, a confident GaC drafter) or nothing seen
-                kept, replacement = rnd.seen, None
-                if kept < len(draft):  # overlap: the token drafted this round waits for the verifiers
-                    rnd.carry = draft.cut(kept)
-            else:
-                kept, replacement = self.scanner.scan(rnd, len(self.buffer), self.stats)
-                agreed = len(self.buffer) + sum(len(p) for p in draft.pieces[:kept])
-                for check in checks:
-                    check.freeze(min(agreed, len(check.text)))
-                self.drafting.adapt(rnd, replacement)
-            self.pending = rnd.carry
-            self._accept(rnd, kept, replacement)
+            kept, replacement = self.scanner.scan(rnd, len(self.buffer), self.stats)
+            agreed = len(self.buffer) + sum(len(p) for p in draft.pieces[:kept])
+            for check in checks:
+                check.freeze(min(agreed, len(check.text)))
+            self.drafting.adapt(rnd, replacement)
+        self.pending = rnd.carry
+        before = self.stats.tokens
+        self._accept(rnd, kept, replacement)
+        held_all = rnd.window is not None and replacement is None and self.stats.tokens == before + rnd.seen
+        if held_all and self.finish_reason is None:
+            self._finish("length")  # a verifier's window holds no more of the text
         self.stats.rounds += 1
         self.stats.forward_passes = {t.name: t.passes for t in self.tracks}
         if self.finished or self._cancelled:
@@ -236,17 +263,22 @@ class Generation:
         ids, pieces = draft.ids[:kept], draft.pieces[:kept]
         ended = bool(ids) and not pieces[-1]
         entries = self.logprobs.of_round(rnd, kept) if self.logprobs is not None else []
+        windowed = False  # a verifier's window ends the text inside the replacement
         if replacement is not None:
             room = cfg.max_new_tokens - first - kept  # >= 1: the replaced position was within the budget and window
             if member.context_window is not None:
                 room = min(room, member.context_window - base - kept)
-            replacement = replacement[: max(room, 1)]
+            spelled = [member.token_bytes[t] or b"" for t in replacement[: max(room, 1)]]
+            held = max(self._texts_held(ids, pieces, spelled) - 1, 0)
+            windowed = held < len(spelled)
+            replacement, spelled = replacement[:held] or None, spelled[:held]
+        if replacement is not None:
             ended = replacement[0] in member.eos_ids
             constraint = grammar_at(self.constraint, first, draft, kept)
             if constraint is not None:
                 constraint.consume(replacement)
             ids = ids + replacement
-            pieces = pieces + [member.token_bytes[t] or b"" for t in replacement]
+            pieces = pieces + spelled
             if self.logprobs is not None:
                 entries += self.logprobs.of_replacement(rnd, kept, replacement)
             drafter.ids = drafter.ids[:base] + ids
@@ -278,8 +310,14 @@ class Generation:
         elif self.finish_reason is None:
             if ended:
                 self._finish("eos")
-            elif self.stats.tokens >= cfg.max_new_tokens or drafter.full:
+            elif self.stats.tokens >= cfg.max_new_tokens or windowed or self._drafter_window_full():
                 self._finish("length")
+
+    def _drafter_window_full(self) -> bool:
+        """Whether the accepted text fills the drafter's window (not its ids: in the overlap schedule they hold
+        a token drafted ahead, which the next round judges)."""
+        drafter, window = self.drafter, self.drafter.member.context_window
+        return window is not None and drafter.prompt_len + self.stats.tokens >= window
 
     def _go_back(self, point: Point) -> None:
         """Take back the text from `point` on (`steering`): the members, the grammar, the stats, the trace and

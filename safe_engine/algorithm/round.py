@@ -73,11 +73,13 @@ class Round:
     decided: dict[int, tuple[list[bytes], torch.Tensor, bytes]] = field(default_factory=dict)
     covered: set[int] = field(default_factory=set)
     carry: Draft = field(default_factory=Draft)  # the drafted tokens judged next round
+    window: int | None = None  # where a verifier's context window ends the text: the drafted tokens it holds
 
     @property
     def seen(self) -> int:
         """The drafted tokens the verifiers see."""
-        return len(self.draft) if self.verified is None else self.verified
+        seen = len(self.draft) if self.verified is None else self.verified
+        return seen if self.window is None else min(seen, self.window)
 
     @property
     def drafting(self) -> bool:

@@ -60,7 +60,11 @@ class Scanner:
         the byte offset where the draft begins. Tokens after the accepted ones go to `rnd.carry` when their
         judgement is deferred (and, in the overlap schedule, the token drafted while the verifiers ran)."""
         draft, seen = rnd.draft, rnd.seen
-        final = (draft.final and seen == len(draft)) or len(draft) > CARRY_LIMIT * self.config.draft_length
+        final = (
+            (draft.final and seen == len(draft))
+            or rnd.window is not None  # a verifier's window ends the text here
+            or len(draft) > CARRY_LIMIT * self.config.draft_length
+        )
         offset, j = start, 0
         while j < seen:
             here = offset

@@ -11,7 +11,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import Any, cast
+from typing import Any
 
 from ..algorithm.decoding import Generation
 from ..algorithm.round import Round
@@ -63,8 +63,8 @@ def _run_round(gens: Sequence[Generation]) -> None:
                 for (gen, rnd), rows in zip(drafting, _score_all([(g.drafter, g.draft_job()) for g, _ in drafting])):
                     gen.take_draft(rnd, rows)
                 drafting = [(g, r) for g, r in drafting if r.drafting]
-            checks = [c for g, r in live for c in g.verify(r) if c.job is not None]
-            work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
+            checks = [c for g, r in live for c in g.verify(r)]
+            work = [(c.track, c.job) for c in checks]
             for check, rows in zip(checks, _verify(work, [g for g, _ in live])):
                 check.take(rows)
         for gen, rnd in live:
@@ -107,8 +107,8 @@ def _overlapped(gen: Generation, rnd: Round) -> None:
     timed for the schedule gauge."""
     executor = gen.executor
     assert executor is not None, "the overlap schedule needs the lineup's executor (see Generation.can_overlap)"
-    checks = [c for c in gen.verify(rnd) if c.job is not None]
-    work = cast("list[tuple[Track, Job]]", [(c.track, c.job) for c in checks])  # each has a job: filtered above
+    checks = gen.verify(rnd)
+    work = [(c.track, c.job) for c in checks]
     reads_prompt = any(c.track.passes == 0 for c in checks)  # a verifier's first pass: the prompt too
     verifying = executor.submit(_timed, _on_verifier_threads, gen.placement, _score_all, work) if checks else None
     drafter_s = 0.0

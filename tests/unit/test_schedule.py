@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from safe_engine import ConfigError, Ensemble, SafeEngineError, build_request
 from safe_engine.engine.gauge import ScheduleGauge
@@ -48,6 +49,32 @@ def test_every_schedule_gives_the_same_greedy_text_across_tokenizer_families(mem
     assert adaptive.discarded_draft_tokens < fixed.discarded_draft_tokens  # drafts end where replacements are likely
     assert overlap.discarded_draft_tokens <= overlap.replaced_tokens  # at most the one token drafted meanwhile
     assert overlap.rounds == overlap.tokens + 1 or overlap.rounds > overlap.tokens  # one drafted token a round
+
+
+@pytest.mark.parametrize("aggregation", ["unite", "gac"])
+def test_a_verifiers_context_window_ends_the_text_before_the_same_token_in_every_schedule(aggregation):
+    """The answer ends before the first drafted token whose text a verifier's window cannot hold, whether the
+    round drafted 5 tokens, fewer (adaptive) or the overlap's one: each schedule cut it elsewhere before."""
+    drafter, gpt2 = tiny_member("qwen2.5-7b-instruct", 1), tiny_member("gpt2", 3)
+    unbounded = Ensemble([drafter, tiny_member("llama2", 2), gpt2])
+    whole = unbounded.generate(PROMPT, max_new_tokens=80, aggregation=aggregation, logprobs=0)
+    id_of = {piece: i for i, piece in enumerate(drafter.token_bytes) if piece}
+    for window in (40, 47):
+        small = tiny_member("llama2", 2, context=window)  # the same weights: a window is all that differs
+        ens = Ensemble([drafter, small, gpt2])
+        ens._schedule_gauge.record_chunk = lambda *timing: None  # overlap one token a round
+        results = [ens.generate(PROMPT, max_new_tokens=80, aggregation=aggregation, **o) for o in SCHEDULES]
+        assert {r.text for r in results} == {results[0].text}
+        res = results[0]
+        assert res.finish_reason == "length" and res.stats.tokens < whole.stats.tokens
+        tokens = [bytes(entry.bytes) for entry in whole.logprobs[: res.stats.tokens]]
+        assert res.text.encode() == b"".join(tokens)  # the unbounded answer, cut
+        # the token the drafter drafted next: its greedy token after the answer's ids
+        ids = drafter.prompt_ids(PROMPT) + [id_of[piece] for piece in tokens]
+        with torch.no_grad():
+            drafted = drafter.token_bytes[int(drafter.model(torch.tensor([ids])).logits[0, -1].argmax())]
+        prompt, text = len(small.prompt_ids(PROMPT)), b"".join(tokens)
+        assert prompt + len(small.vocab.encode(text)[0]) < window <= prompt + len(small.vocab.encode(text + drafted)[0])
 
 
 def test_the_levers_can_be_switched_off_and_bad_values_are_refused(members3):
